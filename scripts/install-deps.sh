@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs the Debian packages meshwarp builds, tests and benchmarks with.
+# Idempotent: installs only what is missing, and runs apt-get update only then.
+# Usage: scripts/install-deps.sh [--test]   (--test adds what only the tests need)
+set -euo pipefail
+
+pkgs=(clang llvm libbpf-dev iproute2 iptables haproxy qperf)
+if [[ "${1:-}" == "--test" ]]; then
+	pkgs+=(chromium)
+fi
+
+missing=()
+for p in "${pkgs[@]}"; do
+	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if ((${#missing[@]} == 0)); then
+	exit 0
+fi
+if [[ $EUID -ne 0 ]]; then
+	echo "install-deps: missing packages ${missing[*]}; run as root: sudo $0 $*" >&2
+	exit 1
+fi
+echo "install-deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
