@@ -1,17 +1,42 @@
 // SPDX-License-Identifier: Apache-2.0
 
 // Package accel loads, attaches and pins the acceleration programs
-// (sock_ops + sk_msg + SOCKHASH), turns policy into maps, and owns the
-// lifecycle: adopt on restart, atomic upgrade, safe uninstall.
+// (sock_ops + sk_msg + SOCKHASH, bpf/accel/accel.bpf.c), turns policy into
+// maps, and owns the lifecycle: adopt pinned state on restart, replace
+// programs atomically on upgrade, uninstall without touching live sockets.
+//
+// Lifecycle facts this package is built around:
+//   - Deleting a socket from the SOCKHASH can discard bytes queued for it, so
+//     meshwarp never deletes entries: the kernel removes a socket when it closes.
+//   - A socket in the SOCKHASH keeps its own reference to the sk_msg program,
+//     which keeps the maps alive. Detaching and unpinning therefore stop only
+//     new connections; open accelerated connections keep working until they close.
 package accel
 
 import (
 	"errors"
+	"fmt"
 	"log/slog"
+	"os"
+	"path/filepath"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/cilium/ebpf/rlimit"
+	"golang.org/x/sys/unix"
 )
 
 // DefaultPinDir is where the agent pins what must survive a restart.
 const DefaultPinDir = "/sys/fs/bpf/meshwarp"
+
+// DefaultCapacity is the default number of sockets (and connections) tracked.
+const DefaultCapacity = 65536
+
+// Names of the pinned links under the pin directory (maps are pinned by their BPF names).
+const (
+	sockopsLinkPin = "mw_sockops_link"
+	skmsgLinkPin   = "mw_skmsg_link"
+)
 
 // Config selects what the agent attaches to and what it accelerates.
 type Config struct {
@@ -19,54 +44,401 @@ type Config struct {
 	CgroupPath string
 	// PinDir holds pinned maps and links; empty means DefaultPinDir.
 	PinDir string
-	// SidecarUID is the uid the sidecar proxy runs as (Istio: 1337); used to name hops.
+	// SidecarUID is the uid the sidecar proxy runs as (Istio: 1337); it names the sidecar -> app hop.
 	SidecarUID uint32
+	// OutboundPort and InboundPort are the sidecar's capture ports (Istio: 15001, 15006); 0 = default.
+	OutboundPort, InboundPort uint16
 	// Policy decides which connections may be accelerated.
 	Policy Policy
-	// SockhashCapacity bounds the number of accelerated sockets; 0 means the default.
+	// SockhashCapacity bounds the number of accelerated sockets; 0 means DefaultCapacity.
 	SockhashCapacity uint32
 }
 
-// Stats are cumulative counters read from the pinned maps.
-type Stats struct {
-	AcceleratedSockets  uint64            `json:"accelerated_sockets"`
-	RedirectedMessages  uint64            `json:"redirected_messages"`
-	RedirectedBytes     uint64            `json:"redirected_bytes"`
-	PassthroughMessages uint64            `json:"passthrough_messages"`
-	PassthroughByReason map[string]uint64 `json:"passthrough_by_reason"`
-	SockhashFull        uint64            `json:"sockhash_full"`
-	// Hops splits the redirect counters by mesh hop (app_to_sidecar,
-	// sidecar_to_sidecar, sidecar_to_app, direct).
-	Hops map[string]HopStats `json:"hops"`
-}
-
-// HopStats counts one hop kind.
-type HopStats struct {
-	PairedConnections  uint64 `json:"paired_connections"`
-	RedirectedMessages uint64 `json:"redirected_messages"`
-	RedirectedBytes    uint64 `json:"redirected_bytes"`
+func (c *Config) setDefaults() {
+	if c.PinDir == "" {
+		c.PinDir = DefaultPinDir
+	}
+	if c.SockhashCapacity == 0 {
+		c.SockhashCapacity = DefaultCapacity
+	}
+	if c.OutboundPort == 0 {
+		c.OutboundPort = 15001
+	}
+	if c.InboundPort == 0 {
+		c.InboundPort = 15006
+	}
 }
 
 // Agent is an attached acceleration data path.
 type Agent struct {
-	cfg    Config
-	logger *slog.Logger
+	cfg     Config
+	logger  *slog.Logger
+	objs    accelObjects
+	sockops link.Link
+	skmsg   link.Link
+	closed  bool
+	// Adopted is true when Start found pinned state from an earlier agent and took it over.
+	Adopted bool
 }
 
-var errNotImplemented = errors.New("accel: not implemented yet")
+// Start loads the programs, adopts pinned maps and links from an earlier
+// agent if there are any (replacing its programs atomically), attaches what
+// is missing and pins everything under cfg.PinDir. On error nothing that this
+// call attached or pinned is left behind.
+func Start(cfg Config, logger *slog.Logger) (_ *Agent, err error) {
+	cfg.setDefaults()
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	logger = logger.With("subsys", "accel")
+	if cfg.CgroupPath == "" {
+		return nil, errors.New("no cgroup given: pass the cgroup v2 directory to attach to")
+	}
+	if err := checkCgroup2(cfg.CgroupPath); err != nil {
+		return nil, err
+	}
+	createdDir, err := preparePinDir(cfg.PinDir)
+	if err != nil {
+		return nil, err
+	}
+	// Kernels >= 5.11 account BPF memory to the memory cgroup; RemoveMemlock
+	// knows this and does nothing there (setrlimit would fail with EPERM here).
+	if err := rlimit.RemoveMemlock(); err != nil {
+		logger.Debug("memlock rlimit not raised", "err", err)
+	}
 
-// Start loads (or adopts pinned) programs and maps, attaches them and pins them.
-func Start(cfg Config, logger *slog.Logger) (*Agent, error) { return nil, errNotImplemented }
+	a := &Agent{cfg: cfg, logger: logger}
+	var undo []func()
+	defer func() {
+		if err == nil {
+			return
+		}
+		for i := len(undo) - 1; i >= 0; i-- {
+			undo[i]()
+		}
+		a.objs.Close()
+		if createdDir {
+			os.Remove(cfg.PinDir)
+		}
+	}()
+
+	preexisting := pinnedNames(cfg.PinDir)
+	undo = append(undo, func() { unpinNew(cfg.PinDir, preexisting) })
+
+	spec, err := loadAccel()
+	if err != nil {
+		return nil, fmt.Errorf("load accel spec: %w", err)
+	}
+	spec.Maps["mw_sock_hash"].MaxEntries = cfg.SockhashCapacity
+	spec.Maps["mw_conns"].MaxEntries = cfg.SockhashCapacity
+	if err := spec.Variables["sidecar_uid"].Set(cfg.SidecarUID); err != nil {
+		return nil, fmt.Errorf("set sidecar_uid: %w", err)
+	}
+	if err := spec.Variables["outbound_capture_port"].Set(uint32(cfg.OutboundPort)); err != nil {
+		return nil, fmt.Errorf("set outbound_capture_port: %w", err)
+	}
+	if err := spec.Variables["inbound_capture_port"].Set(uint32(cfg.InboundPort)); err != nil {
+		return nil, fmt.Errorf("set inbound_capture_port: %w", err)
+	}
+	opts := &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinDir}}
+	if err := spec.LoadAndAssign(&a.objs, opts); err != nil {
+		return nil, loadError(err, cfg.PinDir)
+	}
+	if len(preexisting) > 0 {
+		a.Adopted = true
+	}
+
+	if err := a.ApplyPolicy(cfg.Policy); err != nil {
+		return nil, err
+	}
+
+	// sk_msg first: a socket that sock_ops puts in the hash must find its program.
+	a.skmsg, err = attachOrUpdate(filepath.Join(cfg.PinDir, skmsgLinkPin), a.objs.MwSkmsg, func() (link.Link, error) {
+		return link.AttachRawLink(link.RawLinkOptions{
+			Target:  a.objs.MwSockHash.FD(),
+			Program: a.objs.MwSkmsg,
+			Attach:  ebpf.AttachSkMsgVerdict,
+		})
+	}, nil)
+	if err != nil {
+		return nil, fmt.Errorf("attach sk_msg to mw_sock_hash: %w", err)
+	}
+	skmsg := a.skmsg
+	undo = append(undo, func() { skmsg.Close() })
+
+	a.sockops, err = attachOrUpdate(filepath.Join(cfg.PinDir, sockopsLinkPin), a.objs.MwSockops, func() (link.Link, error) {
+		return link.AttachCgroup(link.CgroupOptions{
+			Path:    cfg.CgroupPath,
+			Attach:  ebpf.AttachCGroupSockOps,
+			Program: a.objs.MwSockops,
+		})
+	}, func(l link.Link) error { return sameCgroup(l, cfg.CgroupPath) })
+	if err != nil {
+		return nil, fmt.Errorf("attach sock_ops to %s: %w", cfg.CgroupPath, err)
+	}
+	sockops := a.sockops
+	undo = append(undo, func() { sockops.Close() })
+
+	logger.Info("acceleration attached", "cgroup", cfg.CgroupPath, "pin_dir", cfg.PinDir,
+		"adopted", a.Adopted, "capacity", cfg.SockhashCapacity)
+	return a, nil
+}
+
+// attachOrUpdate adopts the link pinned at pin (replacing its program
+// atomically) or attaches a new one and pins it.
+func attachOrUpdate(pin string, prog *ebpf.Program, attach func() (link.Link, error), check func(link.Link) error) (link.Link, error) {
+	if _, err := os.Stat(pin); err == nil {
+		l, err := link.LoadPinnedLink(pin, nil)
+		if err != nil {
+			return nil, fmt.Errorf("load pinned link %s: %w", pin, err)
+		}
+		if check != nil {
+			if err := check(l); err != nil {
+				l.Close()
+				return nil, err
+			}
+		}
+		if err := l.Update(prog); err != nil {
+			l.Close()
+			return nil, fmt.Errorf("replace program of %s: %w", pin, err)
+		}
+		return l, nil
+	}
+	l, err := attach()
+	if err != nil {
+		return nil, err
+	}
+	if err := l.Pin(pin); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("pin %s: %w", pin, err)
+	}
+	return l, nil
+}
+
+// sameCgroup refuses to adopt a sock_ops link attached to another cgroup.
+func sameCgroup(l link.Link, path string) error {
+	info, err := l.Info()
+	if err != nil {
+		return fmt.Errorf("inspect pinned sock_ops link: %w", err)
+	}
+	cg := info.Cgroup()
+	if cg == nil {
+		return nil
+	}
+	id, err := cgroupID(path)
+	if err != nil {
+		return err
+	}
+	if cg.CgroupId != id {
+		return fmt.Errorf("the pinned agent is attached to another cgroup (id %d, not %s): run `meshwarp cleanup` first or pass the same --cgroup", cg.CgroupId, path)
+	}
+	return nil
+}
+
+// cgroupID is the cgroup v2 id, which is the inode number of its directory.
+func cgroupID(path string) (uint64, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return 0, fmt.Errorf("stat cgroup %s: %w", path, err)
+	}
+	return st.Ino, nil
+}
+
+func loadError(err error, pinDir string) error {
+	if errors.Is(err, ebpf.ErrMapIncompatible) {
+		return fmt.Errorf("pinned maps under %s come from an incompatible meshwarp version or capacity: run `meshwarp cleanup` (open accelerated connections keep working), then start again: %w", pinDir, err)
+	}
+	var ve *ebpf.VerifierError
+	if errors.As(err, &ve) {
+		return fmt.Errorf("load accel programs: the kernel verifier rejected them (kernel too old?):\n%+v", ve)
+	}
+	if errors.Is(err, unix.EPERM) {
+		return fmt.Errorf("load accel programs: permission denied: run as root (needs CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN): %w", err)
+	}
+	return fmt.Errorf("load accel programs: %w", err)
+}
+
+func checkCgroup2(path string) error {
+	var fs unix.Statfs_t
+	if err := unix.Statfs(path, &fs); err != nil {
+		return fmt.Errorf("cgroup %s: %w (pass an existing cgroup v2 directory, e.g. the mount point shown by `meshwarp probe`)", path, err)
+	}
+	if fs.Type != unix.CGROUP2_SUPER_MAGIC {
+		return fmt.Errorf("%s is not a cgroup v2 directory: pass a directory under the cgroup2 mount (see `grep cgroup2 /proc/mounts`)", path)
+	}
+	return nil
+}
+
+// preparePinDir makes sure dir exists on a bpf filesystem and is writable.
+func preparePinDir(dir string) (created bool, err error) {
+	parent := filepath.Dir(dir)
+	var fs unix.Statfs_t
+	if err := unix.Statfs(parent, &fs); err != nil {
+		return false, fmt.Errorf("pin directory parent %s: %w (mount bpffs: mount -t bpf bpf /sys/fs/bpf)", parent, err)
+	}
+	if fs.Type != unix.BPF_FS_MAGIC {
+		return false, fmt.Errorf("%s is not on a bpf filesystem: mount -t bpf bpf /sys/fs/bpf (or `meshwarp probe`, which mounts it)", parent)
+	}
+	if _, err := os.Stat(dir); err == nil {
+		return false, checkWritable(dir)
+	}
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return false, fmt.Errorf("create pin directory %s: %w (bpffs read-only or not root?)", dir, err)
+	}
+	return true, nil
+}
+
+func checkWritable(dir string) error {
+	if err := unix.Access(dir, unix.W_OK); err != nil {
+		return fmt.Errorf("pin directory %s is not writable: %w (run as root; remount bpffs read-write)", dir, err)
+	}
+	return nil
+}
+
+func pinnedNames(dir string) map[string]bool {
+	names := map[string]bool{}
+	entries, _ := os.ReadDir(dir)
+	for _, e := range entries {
+		names[e.Name()] = true
+	}
+	return names
+}
+
+// unpinNew removes pins that were not there before (undo of a failed Start).
+func unpinNew(dir string, before map[string]bool) {
+	for name := range pinnedNames(dir) {
+		if !before[name] {
+			os.Remove(filepath.Join(dir, name))
+		}
+	}
+}
 
 // Stats reads the counters.
-func (a *Agent) Stats() (Stats, error) { return Stats{}, errNotImplemented }
+func (a *Agent) Stats() (Stats, error) {
+	return readStats(a.objs.MwStats)
+}
 
-// Close releases this process's handles and keeps the data path pinned (restart/upgrade).
-func (a *Agent) Close() error { return nil }
+// Close releases this process's handles. Everything stays attached and
+// pinned: a restarted agent adopts it, `meshwarp cleanup` removes it.
+// Safe to call twice.
+func (a *Agent) Close() error {
+	if a == nil || a.closed {
+		return nil
+	}
+	a.closed = true
+	var errs []error
+	if a.sockops != nil {
+		errs = append(errs, a.sockops.Close())
+	}
+	if a.skmsg != nil {
+		errs = append(errs, a.skmsg.Close())
+	}
+	errs = append(errs, a.objs.Close())
+	return errors.Join(errs...)
+}
 
-// Uninstall stops accelerating new connections and removes the pins; open
-// accelerated connections keep working until they close.
-func (a *Agent) Uninstall() error { return errNotImplemented }
+// Uninstall stops accelerating new connections and removes every pin.
+// Open accelerated connections keep working until they close (the kernel
+// keeps their maps and program alive); nothing is deleted from the SOCKHASH.
+// It returns how many accelerated sockets were still open.
+func (a *Agent) Uninstall() (openSockets uint64, err error) {
+	if a == nil || a.closed {
+		return 0, nil
+	}
+	if st, err := a.Stats(); err == nil {
+		openSockets = st.AcceleratedSockets
+	}
+	var errs []error
+	// New sockets first: no socket joins the hash after this.
+	if a.sockops != nil {
+		errs = append(errs, a.sockops.Unpin(), a.sockops.Close())
+		a.sockops = nil
+	}
+	if a.skmsg != nil {
+		errs = append(errs, a.skmsg.Unpin(), a.skmsg.Close())
+		a.skmsg = nil
+	}
+	errs = append(errs, unpinMaps(&a.objs))
+	errs = append(errs, a.Close())
+	errs = append(errs, removePinDir(a.cfg.PinDir))
+	a.logger.Info("acceleration uninstalled", "pin_dir", a.cfg.PinDir, "open_accelerated_sockets", openSockets)
+	return openSockets, errors.Join(errs...)
+}
 
-// ReadPinnedStats reads the counters of the agent pinned at pinDir.
-func ReadPinnedStats(pinDir string) (Stats, error) { return Stats{}, errNotImplemented }
+func unpinMaps(objs *accelObjects) error {
+	var errs []error
+	for _, m := range []*ebpf.Map{objs.MwSockHash, objs.MwConns, objs.MwSkStore, objs.MwStats,
+		objs.MwPolicy, objs.MwPortPolicy, objs.MwCidrIncl, objs.MwCidrExcl} {
+		if m != nil && m.IsPinned() {
+			errs = append(errs, m.Unpin())
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// removePinDir removes dir if it holds nothing but what meshwarp pins.
+func removePinDir(dir string) error {
+	if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove %s: %w", dir, err)
+	}
+	return nil
+}
+
+// CleanupResult says what Cleanup removed.
+type CleanupResult struct {
+	Removed                []string `json:"removed"`
+	OpenAcceleratedSockets uint64   `json:"open_accelerated_sockets"`
+}
+
+// Cleanup removes whatever an agent pinned at pinDir (detaching its
+// programs), without a running agent. Open accelerated connections keep
+// working until they close. Only names meshwarp pins are removed; a missing
+// pin directory is not an error.
+func Cleanup(pinDir string) (CleanupResult, error) {
+	var res CleanupResult
+	if pinDir == "" {
+		pinDir = DefaultPinDir
+	}
+	if _, err := os.Stat(pinDir); errors.Is(err, os.ErrNotExist) {
+		return res, nil
+	}
+	if st, err := ReadPinnedStats(pinDir); err == nil {
+		res.OpenAcceleratedSockets = st.AcceleratedSockets
+	}
+	var errs []error
+	// Links first (they detach when their last reference goes), then maps.
+	names := append([]string{sockopsLinkPin, skmsgLinkPin}, mapNames()...)
+	for _, name := range names {
+		p := filepath.Join(pinDir, name)
+		if _, err := os.Lstat(p); err != nil {
+			continue
+		}
+		if err := os.Remove(p); err != nil {
+			errs = append(errs, fmt.Errorf("unpin %s: %w", p, err))
+			continue
+		}
+		res.Removed = append(res.Removed, p)
+	}
+	if left := pinnedNames(pinDir); len(left) > 0 {
+		errs = append(errs, fmt.Errorf("%s still holds objects meshwarp did not pin (%d); left it in place", pinDir, len(left)))
+	} else if err := removePinDir(pinDir); err != nil {
+		errs = append(errs, err)
+	} else {
+		res.Removed = append(res.Removed, pinDir)
+	}
+	return res, errors.Join(errs...)
+}
+
+func mapNames() []string {
+	spec, err := loadAccel()
+	if err != nil {
+		return nil
+	}
+	names := make([]string, 0, len(spec.Maps))
+	for name, m := range spec.Maps {
+		if m.Pinning == ebpf.PinByName {
+			names = append(names, name)
+		}
+	}
+	return names
+}

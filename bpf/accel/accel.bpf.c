@@ -1,0 +1,498 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * Same-node TCP acceleration.
+ *
+ * Attach points: mw_sockops on a cgroup v2 directory (BPF_CGROUP_SOCK_OPS),
+ * mw_skmsg on mw_sock_hash (BPF_SK_MSG_VERDICT).
+ * Kernel: >= 6.10 (sockmap links; we also rely on BPF atomics (5.12),
+ * sk_storage in sk_msg and bpf_skc_to_tcp_sock in sock_ops).
+ * Maps owned (all pinned by name so a restarted agent adopts them):
+ *   mw_sock_hash    SOCKHASH  mw_sock_key -> socket
+ *   mw_conns        HASH      mw_conn_id  -> mw_conn (the pairing decision)
+ *   mw_sk_store     SK_STORAGE             mw_sk_state per socket
+ *   mw_stats        PERCPU_ARRAY           mw_counters
+ *   mw_policy, mw_port_policy, mw_cidr_incl, mw_cidr_excl   policy
+ *
+ * How a connection is paired (once, never changed):
+ *   1. active side ESTABLISHED: create mw_conns[id] = PENDING, join mw_sock_hash.
+ *   2. passive side ESTABLISHED: if mw_conns[id] is PENDING and its active
+ *      endpoint is our remote endpoint, join mw_sock_hash, then PENDING -> PAIRED.
+ *   3. active side's first sendmsg: if still PENDING, PENDING -> PASSTHROUGH:
+ *      that byte goes by TCP, and so does every later byte in both directions.
+ * The passive side cannot send before step 2 (it is not accepted yet), and the
+ * active side redirects only after it saw PAIRED, so no stream is ever split
+ * between the two paths.
+ */
+#include "vmlinux.h"
+#include "bpf_helpers.h"
+#include "bpf_endian.h"
+#include "accel.h"
+
+#define AF_INET 2
+#define AF_INET6 10
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+/* Set by the loader before load (RewriteConstants). */
+const volatile __u32 sidecar_uid = 1337;
+const volatile __u32 outbound_capture_port = 15001;
+const volatile __u32 inbound_capture_port = 15006;
+
+/* Capacity is set by the loader (MaxEntries); this is the default. */
+#define MW_DEFAULT_CAPACITY 65536
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKHASH);
+	__uint(max_entries, MW_DEFAULT_CAPACITY);
+	__type(key, struct mw_sock_key);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_sock_hash SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MW_DEFAULT_CAPACITY);
+	__type(key, struct mw_conn_id);
+	__type(value, struct mw_conn);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_conns SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct mw_sk_state);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_sk_store SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mw_counters);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mw_policy_cfg);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_policy SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32); /* destination port, host order */
+	__type(value, __u32); /* enum mw_port_action */
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_port_policy SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1024);
+	__type(key, struct mw_cidr_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_cidr_incl SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1024);
+	__type(key, struct mw_cidr_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_cidr_excl SEC(".maps");
+
+static __always_inline struct mw_counters *counters(void)
+{
+	__u32 zero = 0;
+	return bpf_map_lookup_elem(&mw_stats, &zero);
+}
+
+static __always_inline void count_conn(__u32 reason)
+{
+	struct mw_counters *c = counters();
+	if (c && reason < MW_REASON_MAX)
+		c->passthrough_conns[reason]++;
+}
+
+/* IPv4 as ::ffff:a.b.c.d so v4 peers of dual-stack listeners compare equal. */
+static __always_inline void set_v4_mapped(__u32 addr[4], __u32 ip4_be)
+{
+	addr[0] = 0;
+	addr[1] = 0;
+	addr[2] = bpf_htonl(0x0000ffff);
+	addr[3] = ip4_be;
+}
+
+/*
+ * The endpoints as sock_ops reports them. All ctx fields are read
+ * unconditionally: clang merges loads across branches otherwise and the
+ * verifier rejects the modified ctx pointer.
+ */
+struct mw_tuple {
+	struct mw_endpoint local;
+	struct mw_endpoint remote;
+};
+
+/* A volatile load stays a single ctx load at a fixed offset. */
+#define CTX_READ(field) (*(volatile __u32 *)&(field))
+
+static __always_inline void sockops_tuple(struct bpf_sock_ops *skops, struct mw_tuple *t)
+{
+	__u32 family = CTX_READ(skops->family);
+	__u32 lip4 = CTX_READ(skops->local_ip4);  /* network order */
+	__u32 rip4 = CTX_READ(skops->remote_ip4); /* network order */
+	__u32 l0 = CTX_READ(skops->local_ip6[0]), l1 = CTX_READ(skops->local_ip6[1]);
+	__u32 l2 = CTX_READ(skops->local_ip6[2]), l3 = CTX_READ(skops->local_ip6[3]);
+	__u32 r0 = CTX_READ(skops->remote_ip6[0]), r1 = CTX_READ(skops->remote_ip6[1]);
+	__u32 r2 = CTX_READ(skops->remote_ip6[2]), r3 = CTX_READ(skops->remote_ip6[3]);
+	/* local_port: host order. remote_port: network order in the upper 16 bits. */
+	__u32 lport = CTX_READ(skops->local_port);
+	__u32 rport = bpf_ntohl(CTX_READ(skops->remote_port)) & 0xffff;
+
+	if (family == AF_INET) {
+		set_v4_mapped(t->local.addr, lip4);
+		set_v4_mapped(t->remote.addr, rip4);
+	} else {
+		t->local.addr[0] = l0;
+		t->local.addr[1] = l1;
+		t->local.addr[2] = l2;
+		t->local.addr[3] = l3;
+		t->remote.addr[0] = r0;
+		t->remote.addr[1] = r1;
+		t->remote.addr[2] = r2;
+		t->remote.addr[3] = r3;
+	}
+	t->local.port_host = lport;
+	t->remote.port_host = rport;
+}
+
+static __always_inline bool endpoint_eq(const struct mw_endpoint *a, const struct mw_endpoint *b)
+{
+	return a->port_host == b->port_host && a->addr[0] == b->addr[0] && a->addr[1] == b->addr[1] &&
+	       a->addr[2] == b->addr[2] && a->addr[3] == b->addr[3];
+}
+
+/* Policy on the destination the application asked for (the active side's remote). */
+static __always_inline bool policy_allows(const struct mw_endpoint *dst)
+{
+	__u32 zero = 0;
+	__u32 port = dst->port_host;
+	__u32 *action = bpf_map_lookup_elem(&mw_port_policy, &port);
+	struct mw_policy_cfg *cfg = bpf_map_lookup_elem(&mw_policy, &zero);
+	struct mw_cidr_key key = { .prefixlen = 128 };
+
+	if (action && *action == MW_PORT_EXCLUDE)
+		return false;
+	__builtin_memcpy(key.addr, dst->addr, sizeof(key.addr));
+	if (bpf_map_lookup_elem(&mw_cidr_excl, &key))
+		return false;
+	if (!cfg)
+		return true;
+	if (cfg->include_ports_set && !(action && *action == MW_PORT_INCLUDE))
+		return false;
+	if (cfg->include_cidrs_set && !bpf_map_lookup_elem(&mw_cidr_incl, &key))
+		return false;
+	return true;
+}
+
+/* The uid owning the socket (the process that created it), via BTF. */
+static __always_inline __u32 socket_uid(struct bpf_sock *sk)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	if (!tp)
+		return (__u32)-1;
+	return tp->inet_conn.icsk_inet.sk.sk_uid.val;
+}
+
+static __always_inline void on_active_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
+						  __u32 snd_nxt, __u32 rcv_nxt)
+{
+	struct mw_tuple t = {};
+	struct mw_conn conn = {};
+	struct mw_sock_key key = {};
+	struct mw_sk_state *st;
+	struct mw_counters *cnt;
+	struct mw_conn_id id = { .active_isn1 = snd_nxt, .passive_isn1 = rcv_nxt };
+	long err;
+
+	sockops_tuple(skops, &t);
+	if (!policy_allows(&t.remote)) {
+		count_conn(MW_REASON_POLICY);
+		return;
+	}
+	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st)
+		return;
+	st->role = MW_ROLE_ACTIVE;
+
+	conn.active_cookie = bpf_get_socket_cookie(skops);
+	conn.active_local = t.local;
+	conn.state = MW_CONN_PENDING;
+	conn.active_is_sidecar = socket_uid(sk) == sidecar_uid;
+
+	err = bpf_map_update_elem(&mw_conns, &id, &conn, BPF_NOEXIST);
+	if (err) {
+		/*
+		 * Another live connection drew the same identity (or the map is
+		 * full). Neither may be paired: a passive socket could not tell
+		 * which active socket it belongs to.
+		 */
+		struct mw_conn *other = bpf_map_lookup_elem(&mw_conns, &id);
+		__u32 reason = other ? MW_REASON_KEY_COLLISION : MW_REASON_SOCKHASH_FULL;
+
+		if (other && __sync_val_compare_and_swap(&other->state, MW_CONN_PENDING,
+							 MW_CONN_PASSTHROUGH) == MW_CONN_PENDING)
+			other->reason = MW_REASON_KEY_COLLISION;
+		st->decision = MW_CONN_PASSTHROUGH;
+		st->reason = reason;
+		count_conn(reason);
+		return;
+	}
+	st->owns_conn = 1;
+	st->peer.conn = id;
+	/* STATE_CB lets us drop the mw_conns entry when this socket closes. */
+	bpf_sock_ops_cb_flags_set(skops, BPF_SOCK_OPS_STATE_CB_FLAG);
+
+	key.conn = id;
+	key.active_cookie = conn.active_cookie;
+	key.role = MW_ROLE_ACTIVE;
+	if (bpf_sock_hash_update(skops, &mw_sock_hash, &key, BPF_NOEXIST)) {
+		struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &id);
+
+		if (c && __sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PASSTHROUGH) ==
+				 MW_CONN_PENDING)
+			c->reason = MW_REASON_SOCKHASH_FULL;
+		st->decision = MW_CONN_PASSTHROUGH;
+		st->reason = MW_REASON_SOCKHASH_FULL;
+		cnt = counters();
+		if (cnt)
+			cnt->sockhash_full++;
+		count_conn(MW_REASON_SOCKHASH_FULL);
+		return;
+	}
+	st->peer = key;
+	st->peer.role = MW_ROLE_PASSIVE;
+}
+
+static __always_inline __u32 classify_hop(__u32 passive_local_port, const struct mw_conn *c)
+{
+	if (passive_local_port == outbound_capture_port)
+		return MW_HOP_APP_TO_SIDECAR;
+	if (passive_local_port == inbound_capture_port)
+		return MW_HOP_SIDECAR_TO_SIDECAR;
+	if (c->active_is_sidecar)
+		return MW_HOP_SIDECAR_TO_APP;
+	return MW_HOP_DIRECT;
+}
+
+/* Give up on a PENDING connection; whoever wins the cmpxchg writes the reason. */
+static __always_inline void conn_passthrough(struct mw_conn *c, __u32 reason)
+{
+	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PASSTHROUGH) ==
+	    MW_CONN_PENDING) {
+		c->reason = reason;
+		count_conn(reason);
+	}
+}
+
+static __always_inline void on_passive_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
+						   __u32 snd_nxt, __u32 rcv_nxt)
+{
+	struct mw_tuple t = {};
+	struct mw_sock_key key = {};
+	struct mw_sk_state *st;
+	struct mw_counters *cnt;
+	struct mw_conn *c;
+	struct mw_conn_id id = { .active_isn1 = rcv_nxt, .passive_isn1 = snd_nxt };
+	__u32 hop;
+
+	c = bpf_map_lookup_elem(&mw_conns, &id);
+	if (!c)
+		return; /* the connecting socket is not ours: remote host, other cgroup or excluded */
+	if (c->state != MW_CONN_PENDING)
+		return;
+
+	sockops_tuple(skops, &t);
+	/* REDIRECT/DNAT rewrite destinations, never the source: it must match. */
+	if (!endpoint_eq(&c->active_local, &t.remote)) {
+		conn_passthrough(c, MW_REASON_ADDR_MISMATCH);
+		return;
+	}
+	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st) {
+		conn_passthrough(c, MW_REASON_SOCKHASH_FULL);
+		return;
+	}
+	st->role = MW_ROLE_PASSIVE;
+
+	key.conn = id;
+	key.active_cookie = c->active_cookie;
+	key.role = MW_ROLE_PASSIVE;
+	/* Join the hash before announcing PAIRED: the active side redirects to us then. */
+	if (bpf_sock_hash_update(skops, &mw_sock_hash, &key, BPF_NOEXIST)) {
+		cnt = counters();
+		if (cnt)
+			cnt->sockhash_full++;
+		st->decision = MW_CONN_PASSTHROUGH;
+		st->reason = MW_REASON_SOCKHASH_FULL;
+		conn_passthrough(c, MW_REASON_SOCKHASH_FULL);
+		return;
+	}
+
+	hop = classify_hop(t.local.port_host, c);
+	c->hop = hop;
+	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PAIRED) != MW_CONN_PENDING) {
+		/* The active side already sent its first byte by TCP. */
+		st->decision = MW_CONN_PASSTHROUGH;
+		st->reason = MW_REASON_NO_PEER;
+		return;
+	}
+	st->peer = key;
+	st->peer.role = MW_ROLE_ACTIVE;
+	st->hop = hop;
+	st->decision = MW_CONN_PAIRED;
+	bpf_sock_ops_cb_flags_set(skops, BPF_SOCK_OPS_STATE_CB_FLAG);
+
+	cnt = counters();
+	if (cnt) {
+		cnt->sockets_paired += 2;
+		if (hop < MW_HOP_MAX)
+			cnt->hop_conns[hop]++;
+	}
+}
+
+static __always_inline void on_close(struct bpf_sock *sk)
+{
+	struct mw_sk_state *st = bpf_sk_storage_get(&mw_sk_store, sk, 0, 0);
+	struct mw_counters *cnt;
+	bool was_paired;
+
+	if (!st)
+		return;
+	was_paired = st->decision == MW_CONN_PAIRED;
+	if (st->owns_conn) {
+		struct mw_conn_id id = st->peer.conn;
+		struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &id);
+
+		/* The active side may never have sent, so it may not know yet. */
+		if (c && c->state == MW_CONN_PAIRED)
+			was_paired = true;
+		bpf_map_delete_elem(&mw_conns, &id);
+		st->owns_conn = 0;
+	}
+	if (was_paired) {
+		cnt = counters();
+		if (cnt)
+			cnt->sockets_closed++;
+	}
+	st->decision = MW_CONN_PASSTHROUGH;
+	st->reason = MW_REASON_PEER_CLOSED;
+}
+
+SEC("sockops")
+int mw_sockops(struct bpf_sock_ops *skops)
+{
+	/* Read every ctx field up front (see sockops_tuple). */
+	__u32 op = skops->op;
+	__u32 new_state = skops->args[1];
+	__u32 snd_nxt = skops->snd_nxt;
+	__u32 rcv_nxt = skops->rcv_nxt;
+	struct bpf_sock *sk = skops->sk;
+
+	if (!sk)
+		return 1;
+	switch (op) {
+	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:
+		on_active_established(skops, sk, snd_nxt, rcv_nxt);
+		break;
+	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
+		on_passive_established(skops, sk, snd_nxt, rcv_nxt);
+		break;
+	case BPF_SOCK_OPS_STATE_CB:
+		if (new_state == BPF_TCP_CLOSE)
+			on_close(sk);
+		break;
+	}
+	return 1;
+}
+
+/* Decide once per socket, on its first message; cache the answer in sk_storage. */
+static __always_inline void decide(struct mw_sk_state *st)
+{
+	struct mw_conn_id id = st->peer.conn;
+	struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &id);
+
+	if (!c) {
+		st->decision = MW_CONN_PASSTHROUGH;
+		st->reason = MW_REASON_NO_PEER;
+		return;
+	}
+	if (c->state == MW_CONN_PENDING) {
+		/* No peer yet: this byte and all later ones go by TCP. */
+		if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PASSTHROUGH) ==
+		    MW_CONN_PENDING) {
+			c->reason = MW_REASON_NO_PEER;
+			count_conn(MW_REASON_NO_PEER);
+		}
+	}
+	if (c->state == MW_CONN_PAIRED) {
+		st->decision = MW_CONN_PAIRED;
+		st->hop = c->hop;
+		return;
+	}
+	st->decision = MW_CONN_PASSTHROUGH;
+	st->reason = c->reason;
+}
+
+SEC("sk_msg")
+int mw_skmsg(struct sk_msg_md *msg)
+{
+	__u32 size = msg->size;
+	struct bpf_sock *sk = msg->sk;
+	struct mw_counters *cnt;
+	struct mw_sk_state *st;
+	__u32 reason;
+
+	if (!sk)
+		return SK_PASS;
+	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, 0);
+	if (!st)
+		return SK_PASS;
+	if (!st->decision)
+		decide(st);
+
+	cnt = counters();
+	if (st->decision == MW_CONN_PAIRED) {
+		__u32 hop = st->hop;
+
+		if (bpf_msg_redirect_hash(msg, &mw_sock_hash, &st->peer, BPF_F_INGRESS) == SK_PASS) {
+			if (cnt) {
+				cnt->redirected_msgs++;
+				cnt->redirected_bytes += size;
+				if (hop < MW_HOP_MAX) {
+					cnt->hop_msgs[hop]++;
+					cnt->hop_bytes[hop] += size;
+				}
+			}
+			return SK_PASS;
+		}
+		/*
+		 * The peer socket is gone (closed): the connection is over on the
+		 * other side, so TCP answers (RST) exactly as without meshwarp.
+		 */
+		st->decision = MW_CONN_PASSTHROUGH;
+		st->reason = MW_REASON_PEER_CLOSED;
+	}
+	reason = st->reason;
+	if (cnt && reason < MW_REASON_MAX) {
+		cnt->passthrough_msgs[reason]++;
+		cnt->passthrough_bytes[reason] += size;
+	}
+	return SK_PASS;
+}

@@ -1,0 +1,131 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * Types shared by accel.bpf.c and internal/accel (Go structs are generated
+ * from these by bpf2go -type; keep field order and padding explicit).
+ */
+#ifndef MESHWARP_ACCEL_H
+#define MESHWARP_ACCEL_H
+
+/*
+ * A TCP connection's identity on both of its ends. NAT (iptables REDIRECT,
+ * DNAT) rewrites addresses but never sequence numbers, and both initial
+ * sequence numbers are random, so the pair names the connection on the active
+ * (connecting) and on the passive (accepted) side, across namespaces.
+ * Values are the snd_nxt/rcv_nxt seen at ESTABLISHED, i.e. ISN + 1.
+ */
+struct mw_conn_id {
+	__u32 active_isn1;  /* active side's snd_nxt == passive side's rcv_nxt */
+	__u32 passive_isn1; /* passive side's snd_nxt == active side's rcv_nxt */
+};
+
+enum mw_role {
+	MW_ROLE_ACTIVE = 1,
+	MW_ROLE_PASSIVE = 2,
+};
+
+/*
+ * Key of a socket in mw_sock_hash. The active socket's cookie (unique for the
+ * boot) makes the key of a closed connection useless to a later connection
+ * that happens to draw the same sequence numbers.
+ */
+struct mw_sock_key {
+	struct mw_conn_id conn;
+	__u64 active_cookie;
+	__u32 role; /* enum mw_role of the socket stored under this key */
+	__u32 _pad;
+};
+
+/*
+ * The per-connection decision, made once: a connection is either paired
+ * (both directions redirected from the first byte) or left to TCP for its
+ * whole life. state moves only PENDING -> PAIRED or PENDING -> PASSTHROUGH,
+ * by compare-and-swap, so the two ends can never disagree.
+ */
+enum mw_conn_state {
+	MW_CONN_PENDING = 1,
+	MW_CONN_PAIRED = 2,
+	MW_CONN_PASSTHROUGH = 3,
+};
+
+/* Why a connection or message took the normal TCP path. */
+enum mw_reason {
+	MW_REASON_NONE = 0,
+	MW_REASON_NO_PEER = 1,        /* first byte sent before (or without) a local peer socket */
+	MW_REASON_PEER_CLOSED = 2,    /* peer socket already closed: TCP answers like without meshwarp */
+	MW_REASON_SOCKHASH_FULL = 3,  /* mw_sock_hash or mw_conns at capacity */
+	MW_REASON_KEY_COLLISION = 4,  /* two live connections drew the same identity */
+	MW_REASON_ADDR_MISMATCH = 5,  /* peer's source endpoint differs (SNAT): cannot prove the pair */
+	MW_REASON_POLICY = 6,         /* excluded by port/CIDR policy */
+	MW_REASON_MAX = 7,
+};
+
+/* Which mesh hop a paired connection is. */
+enum mw_hop {
+	MW_HOP_DIRECT = 0,             /* any other local pair (pod <-> pod, loopback) */
+	MW_HOP_APP_TO_SIDECAR = 1,     /* app -> outbound capture port (15001) */
+	MW_HOP_SIDECAR_TO_SIDECAR = 2, /* sidecar -> inbound capture port (15006) */
+	MW_HOP_SIDECAR_TO_APP = 3,     /* sidecar (by uid) -> local app */
+	MW_HOP_MAX = 4,
+};
+
+/* An endpoint in one form for both families: IPv4 as v4-mapped IPv6. */
+struct mw_endpoint {
+	__u32 addr[4]; /* network order, ::ffff:a.b.c.d for IPv4 */
+	__u32 port_host;
+};
+
+/* mw_conns value, created by the active side at ESTABLISHED. */
+struct mw_conn {
+	__u64 active_cookie;
+	struct mw_endpoint active_local; /* what the passive side must see as its remote */
+	__u32 state;                     /* enum mw_conn_state; changed only by cmpxchg */
+	__u32 reason;                    /* enum mw_reason when PASSTHROUGH */
+	__u32 hop;                       /* enum mw_hop, written before state becomes PAIRED */
+	__u32 active_is_sidecar;         /* the connecting socket belongs to the sidecar uid */
+};
+
+/* Per-socket state (sk_storage), freed by the kernel with the socket. */
+struct mw_sk_state {
+	struct mw_sock_key peer; /* where this socket's bytes go when paired */
+	__u32 role;
+	__u32 decision; /* 0 = undecided, else enum mw_conn_state PAIRED/PASSTHROUGH */
+	__u32 reason;
+	__u32 hop;
+	__u32 owns_conn; /* this socket created the mw_conns entry and deletes it on close */
+	__u32 _pad;
+};
+
+/* Counters, one copy per CPU (summed by Go). Cumulative. */
+struct mw_counters {
+	__u64 sockets_paired; /* sockets that joined a paired connection */
+	__u64 sockets_closed; /* paired sockets that closed since */
+	__u64 redirected_msgs;
+	__u64 redirected_bytes;
+	__u64 sockhash_full;
+	__u64 passthrough_msgs[MW_REASON_MAX];
+	__u64 passthrough_bytes[MW_REASON_MAX];
+	__u64 passthrough_conns[MW_REASON_MAX];
+	__u64 hop_conns[MW_HOP_MAX];
+	__u64 hop_msgs[MW_HOP_MAX];
+	__u64 hop_bytes[MW_HOP_MAX];
+};
+
+/* mw_port_policy values. */
+enum mw_port_action {
+	MW_PORT_INCLUDE = 1,
+	MW_PORT_EXCLUDE = 2,
+};
+
+/* mw_policy_cfg value: whether include lists are in force ("only these"). */
+struct mw_policy_cfg {
+	__u32 include_ports_set;
+	__u32 include_cidrs_set;
+};
+
+/* LPM trie key for CIDR policy (IPv4 as v4-mapped, prefix length + 96). */
+struct mw_cidr_key {
+	__u32 prefixlen;
+	__u32 addr[4];
+};
+
+#endif /* MESHWARP_ACCEL_H */

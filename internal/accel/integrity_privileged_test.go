@@ -1,0 +1,90 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package accel
+
+import (
+	"net"
+	"testing"
+
+	"github.com/meshwarp/meshwarp/internal/testutil"
+)
+
+// startAgent attaches a throwaway agent to a throwaway cgroup that this test
+// process has joined; both are removed on cleanup.
+func startAgent(t *testing.T, cfg Config) *Agent {
+	t.Helper()
+	if cfg.CgroupPath == "" {
+		cfg.CgroupPath = testutil.EnterCgroup(t)
+	}
+	if cfg.PinDir == "" {
+		cfg.PinDir = testutil.PinDir(t)
+	}
+	a, err := Start(cfg, nil)
+	if err != nil {
+		t.Fatalf("start agent: %v", err)
+	}
+	t.Cleanup(func() {
+		if _, err := a.Uninstall(); err != nil {
+			t.Errorf("uninstall: %v", err)
+		}
+	})
+	return a
+}
+
+func stats(t *testing.T, a *Agent) Stats {
+	t.Helper()
+	s, err := a.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// integrityOpts: 200 concurrent connections, random payloads 1 B..64 KB.
+var integrityOpts = testutil.IntegrityOptions{Conns: 200, Messages: 6, MaxSize: 64 << 10, Seed: 42}
+
+func TestPrivilegedIntegrityLoopback(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	cases := []struct {
+		name, listen, dial string
+	}{
+		{"ipv4", "tcp4:127.0.0.1:0", "127.0.0.1"},
+		{"ipv6", "tcp6:[::1]:0", "::1"},
+		{"v4-mapped", "tcp:[::]:0", "127.0.0.1"}, // dual-stack listener, IPv4 client
+	}
+	for _, tc := range cases {
+		for _, withAgent := range []bool{false, true} {
+			name := tc.name + "/without-agent"
+			if withAgent {
+				name = tc.name + "/with-agent"
+			}
+			t.Run(name, func(t *testing.T) {
+				var a *Agent
+				if withAgent {
+					a = startAgent(t, Config{})
+				}
+				network, addr, _ := cutNet(tc.listen)
+				ln, err := net.Listen(network, addr)
+				if err != nil {
+					t.Fatal(err)
+				}
+				srv := testutil.ServeEcho(ln)
+				defer srv.Close()
+				port := ln.Addr().(*net.TCPAddr).Port
+				target := net.JoinHostPort(tc.dial, itoa(port))
+				res := testutil.CheckIntegrity(func() (net.Conn, error) { return net.Dial("tcp", target) }, integrityOpts)
+				if err := res.Err(); err != nil {
+					t.Fatal(err)
+				}
+				if a == nil {
+					return
+				}
+				s := stats(t, a)
+				t.Logf("paired sockets %d, redirected %d msgs / %d bytes, passthrough %v", s.PairedSockets, s.RedirectedMessages, s.RedirectedBytes, s.PassthroughConnections)
+				if s.RedirectedBytes == 0 || s.PairedSockets == 0 {
+					t.Fatalf("no acceleration happened: %+v", s)
+				}
+			})
+		}
+	}
+}

@@ -1,0 +1,157 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package accel
+
+import (
+	"fmt"
+	"path/filepath"
+
+	"github.com/cilium/ebpf"
+)
+
+// Stats are cumulative counters read from the pinned maps (they survive
+// agent restarts because the maps are pinned).
+type Stats struct {
+	AcceleratedSockets  uint64            `json:"accelerated_sockets"`
+	RedirectedMessages  uint64            `json:"redirected_messages"`
+	RedirectedBytes     uint64            `json:"redirected_bytes"`
+	PassthroughMessages uint64            `json:"passthrough_messages"`
+	PassthroughBytes    uint64            `json:"passthrough_bytes"`
+	PassthroughByReason map[string]uint64 `json:"passthrough_by_reason"`
+	// PassthroughConnections counts connections left to TCP, by reason
+	// (including those never seen by sk_msg, such as policy exclusions).
+	PassthroughConnections map[string]uint64 `json:"passthrough_connections_by_reason"`
+	PairedSockets          uint64            `json:"paired_sockets_total"`
+	SockhashFull           uint64            `json:"sockhash_full"`
+	// Hops splits the redirect counters by mesh hop.
+	Hops map[string]HopStats `json:"hops"`
+}
+
+// HopStats counts one hop kind.
+type HopStats struct {
+	PairedConnections  uint64 `json:"paired_connections"`
+	RedirectedMessages uint64 `json:"redirected_messages"`
+	RedirectedBytes    uint64 `json:"redirected_bytes"`
+}
+
+// Reason names, indexed by enum mw_reason (bpf/accel/accel.h; keep in sync).
+var reasonNames = [...]string{
+	"none", "no_peer", "peer_closed", "sockhash_full", "key_collision", "addr_mismatch", "policy",
+}
+
+// Hop names, indexed by enum mw_hop (bpf/accel/accel.h; keep in sync).
+var hopNames = [...]string{"direct", "app_to_sidecar", "sidecar_to_sidecar", "sidecar_to_app"}
+
+// ReasonNames lists every passthrough reason (for metrics and docs).
+func ReasonNames() []string { return append([]string(nil), reasonNames[1:]...) }
+
+// HopNames lists every hop kind.
+func HopNames() []string { return append([]string(nil), hopNames[:]...) }
+
+// ReadPinnedStats reads the counters of the agent pinned at pinDir, from any
+// process, while the agent runs or after it was killed.
+func ReadPinnedStats(pinDir string) (Stats, error) {
+	if pinDir == "" {
+		pinDir = DefaultPinDir
+	}
+	p := filepath.Join(pinDir, "mw_stats")
+	m, err := ebpf.LoadPinnedMap(p, &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		return Stats{}, fmt.Errorf("open %s: %w (is `meshwarp run` attached? see `meshwarp probe`)", p, err)
+	}
+	defer m.Close()
+	return readStats(m)
+}
+
+func readStats(m *ebpf.Map) (Stats, error) {
+	var perCPU []accelMwCounters
+	if err := m.Lookup(uint32(0), &perCPU); err != nil {
+		return Stats{}, fmt.Errorf("read mw_stats: %w", err)
+	}
+	return sumCounters(perCPU), nil
+}
+
+// sumCounters folds the per-CPU copies into Stats.
+func sumCounters(perCPU []accelMwCounters) Stats {
+	var t accelMwCounters
+	for _, c := range perCPU {
+		t.SocketsPaired += c.SocketsPaired
+		t.SocketsClosed += c.SocketsClosed
+		t.RedirectedMsgs += c.RedirectedMsgs
+		t.RedirectedBytes += c.RedirectedBytes
+		t.SockhashFull += c.SockhashFull
+		for i := range t.PassthroughMsgs {
+			t.PassthroughMsgs[i] += c.PassthroughMsgs[i]
+			t.PassthroughBytes[i] += c.PassthroughBytes[i]
+			t.PassthroughConns[i] += c.PassthroughConns[i]
+		}
+		for i := range t.HopConns {
+			t.HopConns[i] += c.HopConns[i]
+			t.HopMsgs[i] += c.HopMsgs[i]
+			t.HopBytes[i] += c.HopBytes[i]
+		}
+	}
+	s := Stats{
+		RedirectedMessages:     t.RedirectedMsgs,
+		RedirectedBytes:        t.RedirectedBytes,
+		PairedSockets:          t.SocketsPaired,
+		SockhashFull:           t.SockhashFull,
+		PassthroughByReason:    map[string]uint64{},
+		PassthroughConnections: map[string]uint64{},
+		Hops:                   map[string]HopStats{},
+	}
+	// Per-CPU counters are summed without a lock, so a close counted on one
+	// CPU can be seen before the matching pairing on another: clamp at 0.
+	if t.SocketsPaired > t.SocketsClosed {
+		s.AcceleratedSockets = t.SocketsPaired - t.SocketsClosed
+	}
+	for i, name := range reasonNames {
+		if i == 0 {
+			continue
+		}
+		s.PassthroughByReason[name] = t.PassthroughMsgs[i]
+		s.PassthroughConnections[name] = t.PassthroughConns[i]
+		s.PassthroughMessages += t.PassthroughMsgs[i]
+		s.PassthroughBytes += t.PassthroughBytes[i]
+	}
+	for i, name := range hopNames {
+		s.Hops[name] = HopStats{
+			PairedConnections:  t.HopConns[i],
+			RedirectedMessages: t.HopMsgs[i],
+			RedirectedBytes:    t.HopBytes[i],
+		}
+	}
+	return s
+}
+
+// Sub returns s - before, counter by counter (AcceleratedSockets is a gauge
+// and is taken from s): the activity of one measured interval.
+func (s Stats) Sub(before Stats) Stats {
+	d := s
+	d.RedirectedMessages -= before.RedirectedMessages
+	d.RedirectedBytes -= before.RedirectedBytes
+	d.PassthroughMessages -= before.PassthroughMessages
+	d.PassthroughBytes -= before.PassthroughBytes
+	d.PairedSockets -= before.PairedSockets
+	d.SockhashFull -= before.SockhashFull
+	d.PassthroughByReason = subMap(s.PassthroughByReason, before.PassthroughByReason)
+	d.PassthroughConnections = subMap(s.PassthroughConnections, before.PassthroughConnections)
+	d.Hops = map[string]HopStats{}
+	for k, v := range s.Hops {
+		b := before.Hops[k]
+		d.Hops[k] = HopStats{
+			PairedConnections:  v.PairedConnections - b.PairedConnections,
+			RedirectedMessages: v.RedirectedMessages - b.RedirectedMessages,
+			RedirectedBytes:    v.RedirectedBytes - b.RedirectedBytes,
+		}
+	}
+	return d
+}
+
+func subMap(a, b map[string]uint64) map[string]uint64 {
+	out := make(map[string]uint64, len(a))
+	for k, v := range a {
+		out[k] = v - b[k]
+	}
+	return out
+}

@@ -1,0 +1,166 @@
+// SPDX-License-Identifier: Apache-2.0
+
+// Package testutil holds helpers for privileged integration tests: real
+// sockets in throwaway network namespaces and cgroups, all named with a
+// meshwarp prefix and removed on cleanup (also when the test fails).
+package testutil
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/meshwarp/meshwarp/internal/probe"
+)
+
+// RequirePrivileged skips t unless it runs as root (privileged tests attach
+// BPF programs, create namespaces and cgroups).
+func RequirePrivileged(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("privileged test: needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN); run `make test` as root")
+	}
+}
+
+var cgroupMu sync.Mutex
+
+// EnterCgroup creates a throwaway cgroup v2 directory named meshwarp-test-*,
+// moves this whole test process into it (sockets are charged to the cgroup
+// of the task that creates them) and moves it back and removes the cgroup on
+// cleanup. It returns the cgroup path.
+func EnterCgroup(t testing.TB) string {
+	t.Helper()
+	root, err := probe.Cgroup2Root()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cgroupMu.Lock()
+	orig, err := ownCgroup()
+	if err != nil {
+		cgroupMu.Unlock()
+		t.Fatal(err)
+	}
+	dir, err := os.MkdirTemp(root, "meshwarp-test-")
+	if err != nil {
+		cgroupMu.Unlock()
+		t.Fatalf("create test cgroup: %v", err)
+	}
+	if err := joinCgroup(dir); err != nil {
+		os.Remove(dir)
+		cgroupMu.Unlock()
+		t.Fatalf("join test cgroup: %v", err)
+	}
+	t.Cleanup(func() {
+		defer cgroupMu.Unlock()
+		if err := joinCgroup(filepath.Join(root, orig)); err != nil {
+			t.Errorf("leave test cgroup: %v", err)
+		}
+		if err := os.Remove(dir); err != nil {
+			t.Errorf("remove test cgroup %s: %v", dir, err)
+		}
+	})
+	return dir
+}
+
+func joinCgroup(dir string) error {
+	return os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(fmt.Sprint(os.Getpid())), 0o644)
+}
+
+// ownCgroup returns this process's cgroup v2 path relative to the v2 root.
+func ownCgroup() (string, error) {
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return "", err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "0::"); ok {
+			return rest, nil
+		}
+	}
+	return "", fmt.Errorf("no cgroup v2 entry in /proc/self/cgroup")
+}
+
+// PinDir returns a fresh pin directory path under /sys/fs/bpf (not created)
+// and removes whatever is left there on cleanup.
+func PinDir(t testing.TB) string {
+	t.Helper()
+	dir := filepath.Join("/sys/fs/bpf", fmt.Sprintf("meshwarp-test-%d-%s", os.Getpid(), sanitize(t.Name())))
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+func sanitize(s string) string {
+	s = strings.NewReplacer("/", "-", " ", "-").Replace(s)
+	if len(s) > 40 {
+		s = s[len(s)-40:]
+	}
+	return s
+}
+
+// Netns is a throwaway network namespace.
+type Netns struct {
+	Name string
+	fd   int
+}
+
+// NewNetns creates network namespace meshwarp-t-<name> with lo up, removed on cleanup.
+func NewNetns(t testing.TB, name string) *Netns {
+	t.Helper()
+	full := "meshwarp-t-" + name
+	exec.Command("ip", "netns", "del", full).Run() // leftover of a crashed run
+	Run(t, "ip", "netns", "add", full)
+	t.Cleanup(func() { exec.Command("ip", "netns", "del", full).Run() })
+	Run(t, "ip", "-n", full, "link", "set", "lo", "up")
+	fd, err := unix.Open("/run/netns/"+full, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatalf("open netns %s: %v", full, err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	return &Netns{Name: full, fd: fd}
+}
+
+// Do runs fn on an OS thread switched into the namespace. Sockets created by
+// fn belong to the namespace and can be used from any goroutine afterwards.
+func (n *Netns) Do(fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		// The thread is not unlocked: if restoring failed it must die with
+		// the goroutine rather than run other code in the wrong namespace.
+		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			errc <- err
+			return
+		}
+		defer unix.Close(orig)
+		if err := unix.Setns(n.fd, unix.CLONE_NEWNET); err != nil {
+			errc <- fmt.Errorf("setns %s: %w", n.Name, err)
+			return
+		}
+		ferr := fn()
+		if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
+			errc <- fmt.Errorf("restore netns: %w", err)
+			return
+		}
+		runtime.UnlockOSThread()
+		errc <- ferr
+	}()
+	return <-errc
+}
+
+// Run runs a command and fails the test with its output on error.
+func Run(t testing.TB, name string, args ...string) string {
+	t.Helper()
+	out, err := exec.Command(name, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
