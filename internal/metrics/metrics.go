@@ -1,0 +1,139 @@
+// SPDX-License-Identifier: Apache-2.0
+
+// Package metrics exposes the agent's counters in Prometheus format. Values
+// are read from the BPF maps at scrape time (the maps are the source of
+// truth), plus the agent's own CPU and memory cost.
+package metrics
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"runtime"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/version"
+)
+
+// StatsFunc reads the current counters.
+type StatsFunc func() (accel.Stats, error)
+
+var (
+	descSockets = prometheus.NewDesc("meshwarp_accel_sockets",
+		"Sockets currently accelerated (paired and not yet closed).", nil, nil)
+	descRedirBytes = prometheus.NewDesc("meshwarp_accel_redirected_bytes_total",
+		"Bytes moved socket-to-socket by sk_msg, skipping the TCP/IP stack.", nil, nil)
+	descRedirMsgs = prometheus.NewDesc("meshwarp_accel_redirected_messages_total",
+		"sendmsg calls whose data was redirected to the peer socket.", nil, nil)
+	descPassMsgs = prometheus.NewDesc("meshwarp_accel_passthrough_messages_total",
+		"Messages of tracked sockets sent through the normal TCP stack, by reason.", []string{"reason"}, nil)
+	descPassConns = prometheus.NewDesc("meshwarp_accel_passthrough_connections_total",
+		"Connections left to the normal TCP stack, by reason.", []string{"reason"}, nil)
+	descFull = prometheus.NewDesc("meshwarp_accel_sockhash_full_total",
+		"Sockets not accelerated because the SOCKHASH was at capacity.", nil, nil)
+	descHopConns = prometheus.NewDesc("meshwarp_accel_hop_paired_connections_total",
+		"Connections paired, by mesh hop.", []string{"hop"}, nil)
+	descHopBytes = prometheus.NewDesc("meshwarp_accel_hop_redirected_bytes_total",
+		"Bytes redirected, by mesh hop.", []string{"hop"}, nil)
+	descHopMsgs = prometheus.NewDesc("meshwarp_accel_hop_redirected_messages_total",
+		"Messages redirected, by mesh hop.", []string{"hop"}, nil)
+	descScrapeErr = prometheus.NewDesc("meshwarp_accel_scrape_error",
+		"1 if the last read of the BPF maps failed.", nil, nil)
+)
+
+// accelCollector builds metrics from the maps at scrape time.
+type accelCollector struct{ read StatsFunc }
+
+func (c accelCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descSockets, descRedirBytes, descRedirMsgs, descPassMsgs,
+		descPassConns, descFull, descHopConns, descHopBytes, descHopMsgs, descScrapeErr} {
+		ch <- d
+	}
+}
+
+func (c accelCollector) Collect(ch chan<- prometheus.Metric) {
+	s, err := c.read()
+	if err != nil {
+		ch <- prometheus.MustNewConstMetric(descScrapeErr, prometheus.GaugeValue, 1)
+		return
+	}
+	ch <- prometheus.MustNewConstMetric(descScrapeErr, prometheus.GaugeValue, 0)
+	ch <- prometheus.MustNewConstMetric(descSockets, prometheus.GaugeValue, float64(s.AcceleratedSockets))
+	ch <- prometheus.MustNewConstMetric(descRedirBytes, prometheus.CounterValue, float64(s.RedirectedBytes))
+	ch <- prometheus.MustNewConstMetric(descRedirMsgs, prometheus.CounterValue, float64(s.RedirectedMessages))
+	ch <- prometheus.MustNewConstMetric(descFull, prometheus.CounterValue, float64(s.SockhashFull))
+	for _, r := range accel.ReasonNames() {
+		ch <- prometheus.MustNewConstMetric(descPassMsgs, prometheus.CounterValue, float64(s.PassthroughByReason[r]), r)
+		ch <- prometheus.MustNewConstMetric(descPassConns, prometheus.CounterValue, float64(s.PassthroughConnections[r]), r)
+	}
+	for _, h := range accel.HopNames() {
+		hs := s.Hops[h]
+		ch <- prometheus.MustNewConstMetric(descHopConns, prometheus.CounterValue, float64(hs.PairedConnections), h)
+		ch <- prometheus.MustNewConstMetric(descHopBytes, prometheus.CounterValue, float64(hs.RedirectedBytes), h)
+		ch <- prometheus.MustNewConstMetric(descHopMsgs, prometheus.CounterValue, float64(hs.RedirectedMessages), h)
+	}
+}
+
+// NewRegistry returns a registry with the accel collector, build info and
+// the agent's own process cost (meshwarp_process_cpu_seconds_total, ...).
+func NewRegistry(read StatsFunc) *prometheus.Registry {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(accelCollector{read: read})
+	reg.MustRegister(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{Namespace: "meshwarp"}))
+	build := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name:        "meshwarp_build_info",
+		Help:        "Build information; the value is always 1.",
+		ConstLabels: prometheus.Labels{"version": version.Version, "goversion": runtime.Version()},
+	})
+	build.Set(1)
+	reg.MustRegister(build)
+	return reg
+}
+
+// Handler serves /metrics and /healthz (200 while the maps can be read).
+func Handler(read StatsFunc) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(NewRegistry(read), promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if _, err := read(); err != nil {
+			http.Error(w, "unhealthy: "+err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ok")
+	})
+	return mux
+}
+
+// Serve listens on addr and serves Handler until ctx is done. The listener
+// is opened before Serve returns so a bad address fails fast.
+func Serve(ctx context.Context, addr string, read StatsFunc, logger *slog.Logger) (<-chan error, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("listen for metrics on %s: %w (pass --metrics-addr with a free port, or \"\" to disable)", addr, err)
+	}
+	srv := &http.Server{Handler: Handler(read), ReadHeaderTimeout: 5 * time.Second}
+	done := make(chan error, 1)
+	go func() {
+		err := srv.Serve(ln)
+		if errors.Is(err, http.ErrServerClosed) {
+			err = nil
+		}
+		done <- err
+	}()
+	go func() {
+		<-ctx.Done()
+		shutdownCtx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		srv.Shutdown(shutdownCtx)
+	}()
+	logger.Info("serving metrics", "subsys", "metrics", "addr", ln.Addr().String())
+	return done, nil
+}
