@@ -3,18 +3,52 @@
 package cli
 
 import (
-	"errors"
+	"encoding/json"
+	"fmt"
 
 	"github.com/spf13/cobra"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
 )
 
-// TODO: implemented by the cleanup work.
 func newCleanupCommand(g *globalOptions) *cobra.Command {
-	return &cobra.Command{
+	var pinDir string
+	var asJSON bool
+	cmd := &cobra.Command{
 		Use:   "cleanup",
-		Short: "cleanup (not implemented yet)",
+		Short: "Detach and unpin everything meshwarp attached (safe under load)",
+		Long: `cleanup detaches the sock_ops and sk_msg programs pinned under --pin-dir and
+removes the pins, whether or not an agent runs. It never removes a socket from
+the SOCKHASH (that could drop bytes queued for it): connections accelerated
+before cleanup keep working until they close, then the kernel frees the rest.
+New connections use the normal TCP stack at once. Only meshwarp's own pins are
+removed; running it twice is harmless.`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return errors.New("cleanup: not implemented yet")
+			res, err := accel.Cleanup(pinDir)
+			if asJSON {
+				enc := json.NewEncoder(cmd.OutOrStdout())
+				enc.SetIndent("", "  ")
+				if jerr := enc.Encode(res); jerr != nil {
+					return jerr
+				}
+				return err
+			}
+			out := cmd.OutOrStdout()
+			if len(res.Removed) == 0 && err == nil {
+				fmt.Fprintf(out, "nothing to clean: no meshwarp pins under %s\n", pinDir)
+				return nil
+			}
+			for _, p := range res.Removed {
+				fmt.Fprintf(out, "removed %s\n", p)
+			}
+			if res.OpenAcceleratedSockets > 0 {
+				fmt.Fprintf(out, "%d accelerated sockets are still open; they keep working until they close\n", res.OpenAcceleratedSockets)
+			}
+			return err
 		},
 	}
+	cmd.Flags().StringVar(&pinDir, "pin-dir", accel.DefaultPinDir, "bpffs directory the agent pinned to")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
 }

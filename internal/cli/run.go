@@ -4,17 +4,162 @@ package cli
 
 import (
 	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
 
 	"github.com/spf13/cobra"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/config"
+	"github.com/meshwarp/meshwarp/internal/metrics"
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
-// TODO: implemented by the run work.
+type runOptions struct {
+	cgroup      string
+	pinDir      string
+	metricsAddr string
+	sidecarUID  uint32
+	capacity    uint32
+	configFile  string
+	keepOnExit  bool
+	policy      config.File
+}
+
 func newRunCommand(g *globalOptions) *cobra.Command {
-	return &cobra.Command{
+	o := &runOptions{}
+	cmd := &cobra.Command{
 		Use:   "run",
-		Short: "run (not implemented yet)",
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			return errors.New("run: not implemented yet")
-		},
+		Short: "Attach the accelerator and serve /metrics until stopped (root)",
+		Long: `run attaches sock_ops to a cgroup v2 directory (default: the cgroup v2 root,
+i.e. every process of the node) and sk_msg to the SOCKHASH, pins both under
+--pin-dir, and serves Prometheus metrics and /healthz.
+
+Every TCP connection between two sockets of this host inside the cgroup
+subtree is then paired at establishment and its bytes move socket-to-socket,
+skipping the TCP/IP stack and iptables. Connections opened before run
+started, to other hosts, excluded by policy, or that cannot be paired stay on
+the normal stack (see ` + "`meshwarp status`" + ` for counts by reason).
+
+Stopping:
+  SIGINT/SIGTERM   detach and unpin (new connections use the normal stack;
+                   open accelerated connections keep working until they close)
+  --keep-on-exit   leave everything attached and pinned on exit, so a new
+                   'meshwarp run' adopts it (upgrades with no gap)
+  SIGKILL          leaves everything attached; the next run adopts it
+  SIGHUP           reload --config and apply the policy without a reload of programs
+
+Policy (destination as the application asked for it, before NAT):
+  --include-ports 8080,9000-9010   only these ports (default: all)
+  --exclude-ports 3306             never these ports
+  --include-cidrs 10.0.0.0/8       only these destinations (default: all)
+  --exclude-cidrs 192.168.7.0/24   never these destinations
+Receivers that read with splice(2) (e.g. Go io.Copy between two TCP
+connections, HAProxy with option splice-*) cannot see redirected bytes:
+exclude their ports.`,
+		Example: `  meshwarp run
+  meshwarp run --cgroup /sys/fs/cgroup/unified/kubepods --exclude-ports 3306
+  meshwarp run --config /etc/meshwarp/policy.yaml --metrics-addr 0.0.0.0:9464`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return runAgent(cmd, g, o) },
+	}
+	f := cmd.Flags()
+	f.StringVar(&o.cgroup, "cgroup", "", "cgroup v2 directory to accelerate (default: the cgroup v2 root from /proc/mounts)")
+	f.StringVar(&o.pinDir, "pin-dir", accel.DefaultPinDir, "bpffs directory for pinned maps and links")
+	f.StringVar(&o.metricsAddr, "metrics-addr", "127.0.0.1:9464", `address for /metrics and /healthz ("" disables)`)
+	f.Uint32Var(&o.sidecarUID, "sidecar-uid", 1337, "uid of the sidecar proxy (names the sidecar -> app hop)")
+	f.Uint32Var(&o.capacity, "capacity", accel.DefaultCapacity, "maximum accelerated sockets; beyond it connections use the normal stack")
+	f.StringVar(&o.configFile, "config", "", "YAML policy file (include_ports, exclude_ports, include_cidrs, exclude_cidrs); SIGHUP reloads it")
+	f.BoolVar(&o.keepOnExit, "keep-on-exit", false, "leave the data path attached and pinned on exit (for restarts and upgrades)")
+	f.StringSliceVar(&o.policy.IncludePorts, "include-ports", nil, "accelerate only these destination ports (e.g. 8080,9000-9010)")
+	f.StringSliceVar(&o.policy.ExcludePorts, "exclude-ports", nil, "never accelerate these destination ports")
+	f.StringSliceVar(&o.policy.IncludeCIDRs, "include-cidrs", nil, "accelerate only these destinations (CIDRs or addresses)")
+	f.StringSliceVar(&o.policy.ExcludeCIDRs, "exclude-cidrs", nil, "never accelerate these destinations")
+	return cmd
+}
+
+// loadPolicy merges the file (if any) with the flags.
+func (o *runOptions) loadPolicy() (accel.Policy, error) {
+	f := o.policy
+	if o.configFile != "" {
+		fromFile, err := config.Load(o.configFile)
+		if err != nil {
+			return accel.Policy{}, err
+		}
+		f = fromFile.Merge(o.policy)
+	}
+	return f.Policy()
+}
+
+func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
+	logger := g.logger(cmd.ErrOrStderr())
+	if o.capacity == 0 {
+		return usageError("--capacity must be at least 1")
+	}
+	policy, err := o.loadPolicy()
+	if err != nil {
+		return withExit(ExitUsage, fmt.Errorf("invalid policy: %w", err))
+	}
+	// Refuse before touching anything when the kernel cannot do it.
+	report := probe.Run(probe.Options{MountBPFFS: true})
+	if err := report.Err(); err != nil {
+		return withExit(ExitNotReady, err)
+	}
+	if o.cgroup == "" {
+		if o.cgroup, err = probe.Cgroup2Root(); err != nil {
+			return withExit(ExitNotReady, err)
+		}
+	}
+	agent, err := accel.Start(accel.Config{
+		CgroupPath:       o.cgroup,
+		PinDir:           o.pinDir,
+		SidecarUID:       o.sidecarUID,
+		Policy:           policy,
+		SockhashCapacity: o.capacity,
+	}, logger)
+	if err != nil {
+		return err
+	}
+	stop := func() error {
+		if o.keepOnExit {
+			logger.Info("leaving data path attached", "pin_dir", o.pinDir)
+			return agent.Close()
+		}
+		_, err := agent.Uninstall()
+		return err
+	}
+
+	ctx := cmd.Context()
+	var served <-chan error
+	if o.metricsAddr != "" {
+		if served, err = metrics.Serve(ctx, o.metricsAddr, agent.Stats, logger); err != nil {
+			return errors.Join(err, stop())
+		}
+	}
+	fmt.Fprintf(cmd.ErrOrStderr(), "meshwarp: accelerating TCP in cgroup %s (pins in %s); Ctrl-C to stop\n", o.cgroup, o.pinDir)
+
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	for {
+		select {
+		case <-ctx.Done():
+			logger.Info("stopping", "keep_on_exit", o.keepOnExit)
+			return stop()
+		case err := <-served:
+			return errors.Join(fmt.Errorf("metrics server: %w", err), stop())
+		case <-hup:
+			p, err := o.loadPolicy()
+			if err == nil {
+				err = agent.ApplyPolicy(p)
+			}
+			if err != nil {
+				logger.Error("policy reload failed; keeping the previous policy", "err", err)
+				continue
+			}
+			logger.Info("policy reloaded", "file", o.configFile)
+		}
 	}
 }

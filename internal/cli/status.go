@@ -3,18 +3,86 @@
 package cli
 
 import (
-	"errors"
+	"encoding/json"
+	"fmt"
+	"io"
+	"sort"
+	"text/tabwriter"
 
 	"github.com/spf13/cobra"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
 )
 
-// TODO: implemented by the status work.
 func newStatusCommand(g *globalOptions) *cobra.Command {
-	return &cobra.Command{
+	var pinDir string
+	var asJSON bool
+	cmd := &cobra.Command{
 		Use:   "status",
-		Short: "status (not implemented yet)",
+		Short: "Show what the attached accelerator did (reads the pinned maps)",
+		Long: `status reads the counters pinned under --pin-dir. It works from any terminal
+while 'meshwarp run' runs, and after the agent was killed (the data path stays
+attached). Counters are cumulative across agent restarts.
+
+  accelerated_sockets     sockets paired right now (both ends of a connection count)
+  redirected_*            bytes/messages moved socket-to-socket
+  passthrough_*           traffic of tracked sockets that used the normal stack, by reason:
+    no_peer         the first byte was sent before (or without) a local peer socket
+    peer_closed     the peer socket had closed; TCP answers as without meshwarp
+    sockhash_full   --capacity reached
+    key_collision   two live connections drew the same identity (both left to TCP)
+    addr_mismatch   the peer saw another source address (SNAT): not provably a pair
+    policy          excluded by port/CIDR policy (connections only)
+  hops                    per mesh hop: app_to_sidecar, sidecar_to_sidecar, sidecar_to_app, direct`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return errors.New("status: not implemented yet")
+			s, err := accel.ReadPinnedStats(pinDir)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				enc := json.NewEncoder(cmd.OutOrStdout())
+				enc.SetIndent("", "  ")
+				return enc.Encode(s)
+			}
+			printStatus(cmd.OutOrStdout(), pinDir, s)
+			return nil
 		},
 	}
+	cmd.Flags().StringVar(&pinDir, "pin-dir", accel.DefaultPinDir, "bpffs directory the agent pinned to")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func printStatus(w io.Writer, pinDir string, s accel.Stats) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(tw, "pin dir\t%s\n", pinDir)
+	fmt.Fprintf(tw, "accelerated sockets\t%d\n", s.AcceleratedSockets)
+	fmt.Fprintf(tw, "redirected\t%d messages, %d bytes\n", s.RedirectedMessages, s.RedirectedBytes)
+	fmt.Fprintf(tw, "passthrough\t%d messages, %d bytes\n", s.PassthroughMessages, s.PassthroughBytes)
+	for _, r := range sortedKeys(s.PassthroughByReason) {
+		if s.PassthroughByReason[r] == 0 && s.PassthroughConnections[r] == 0 {
+			continue
+		}
+		fmt.Fprintf(tw, "  %s\t%d messages, %d connections\n", r, s.PassthroughByReason[r], s.PassthroughConnections[r])
+	}
+	fmt.Fprintf(tw, "sockhash full\t%d\n", s.SockhashFull)
+	tw.Flush()
+	fmt.Fprintln(w)
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "hop\tpaired conns\tmessages\tbytes\t")
+	for _, h := range accel.HopNames() {
+		hs := s.Hops[h]
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t\n", h, hs.PairedConnections, hs.RedirectedMessages, hs.RedirectedBytes)
+	}
+	tw.Flush()
+}
+
+func sortedKeys(m map[string]uint64) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
 }
