@@ -3,18 +3,121 @@
 package cli
 
 import (
-	"errors"
+	"encoding/json"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
 
 	"github.com/spf13/cobra"
+
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
-// TODO: implemented by the probe work.
 func newProbeCommand(g *globalOptions) *cobra.Command {
-	return &cobra.Command{
+	var (
+		asJSON  bool
+		noMount bool
+		bpffs   string
+	)
+	cmd := &cobra.Command{
 		Use:   "probe",
-		Short: "probe (not implemented yet)",
+		Short: "Check that this kernel and process can accelerate; name what is missing and the fix",
+		Long: `probe checks, for real, everything the acceleration data path needs and prints one
+row per check (ok / missing / warn), the fix for anything not ok, and a verdict.
+
+Checked:
+  privileges     running as root; effective CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON
+                 (CAP_SYS_ADMIN covers the first and last; itself optional: mounting bpffs)
+  memlock        RLIMIT_MEMLOCK removed where the kernel still applies it (< 5.11);
+                 newer kernels charge BPF memory to the memory cgroup
+  bpf syscall    creates and closes a map
+  mounts         cgroup v2 (found in /proc/mounts; not always /sys/fs/cgroup),
+                 bpffs at /sys/fs/bpf (mounted by the probe if missing) and writable
+                 (creates and removes /sys/fs/bpf/meshwarp-probe-<pid>)
+  BTF            /sys/kernel/btf/vmlinux
+  program types  sock_ops, sk_msg; tracepoint (optional, observability)
+  map types      SOCKHASH, HASH, PERCPU_ARRAY, ARRAY, LPM_TRIE, RINGBUF
+  helpers        sock_ops: bpf_sock_hash_update, bpf_get_netns_cookie, bpf_get_socket_cookie,
+                 bpf_sock_ops_cb_flags_set, bpf_skc_to_tcp_sock;
+                 sk_msg: bpf_msg_redirect_hash, bpf_get_netns_cookie
+  atomics        loads a program doing an atomic cmpxchg on a map value (Linux 5.12)
+  links          sock_ops bpf_link on a throwaway child cgroup; sk_msg bpf_link on a
+                 SOCKHASH (Linux 6.10, optional)
+
+Everything the probe loads, attaches or creates is removed before it exits; the
+only lasting change is the bpffs mount (skip it with --no-mount).
+
+Exit status: 0 ready, 3 a required check is not ok (the verdict names it and
+its fix), 2 bad flags.`,
+		Example: `  meshwarp probe
+  meshwarp probe --json | jq '.checks[] | select(.status != "ok")'`,
+		Args: func(_ *cobra.Command, args []string) error {
+			if len(args) > 0 {
+				return usageError("probe takes no arguments, got %q", args)
+			}
+			return nil
+		},
+		SilenceUsage: true,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return errors.New("probe: not implemented yet")
+			report := probe.Run(probe.Options{MountBPFFS: !noMount, BPFFSPath: bpffs})
+			logger := g.logger(cmd.ErrOrStderr()).With("subsys", "probe")
+			for _, c := range report.Checks {
+				logger.Debug("probe check", "name", c.Name, "status", c.Status, "required", c.Required, "detail", c.Detail)
+			}
+			out := cmd.OutOrStdout()
+			if asJSON {
+				enc := json.NewEncoder(out)
+				enc.SetIndent("", "  ")
+				enc.SetEscapeHTML(false)
+				if err := enc.Encode(report); err != nil {
+					return fmt.Errorf("write report: %w", err)
+				}
+			} else if err := writeProbeTable(out, report); err != nil {
+				return fmt.Errorf("write report: %w", err)
+			}
+			if !report.Ready {
+				return withExit(ExitNotReady, fmt.Errorf("probe: not ready (%d required checks not ok)", len(report.Missing())))
+			}
+			return nil
 		},
 	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the report as JSON (keys: kernel, checks[name,status,detail,fix,required], ready, verdict)")
+	cmd.Flags().BoolVar(&noMount, "no-mount", false, "do not mount bpffs when it is missing (report it instead)")
+	cmd.Flags().StringVar(&bpffs, "bpffs", probe.DefaultBPFFSPath, "bpffs directory meshwarp pins under")
+	return cmd
 }
+
+// writeProbeTable prints one aligned row per check, then the verdict line.
+func writeProbeTable(w io.Writer, r probe.Report) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "CHECK\tSTATUS\tNEED\tDETAIL")
+	lastFix := ""
+	for _, c := range r.Checks {
+		need := "optional"
+		switch {
+		case c.Name == probe.CheckKernel:
+			need = "info"
+		case c.Required:
+			need = "required"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", c.Name, c.Status, need, oneLine(c.Detail))
+		// A fix shared by consecutive rows (one cause, several symptoms) is
+		// printed once, under the first of them.
+		if c.Status != probe.StatusOK && c.Fix != "" && c.Fix != lastFix {
+			fmt.Fprintf(tw, "\t\t\tfix: %s\n", oneLine(c.Fix))
+		}
+		if c.Status != probe.StatusOK {
+			lastFix = c.Fix
+		} else {
+			lastFix = ""
+		}
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	_, err := fmt.Fprintf(w, "\n%s\n", r.Verdict)
+	return err
+}
+
+func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }
