@@ -44,7 +44,8 @@ type Config struct {
 	CgroupPath string
 	// PinDir holds pinned maps and links; empty means DefaultPinDir.
 	PinDir string
-	// SidecarUID is the uid the sidecar proxy runs as (Istio: 1337); it names the sidecar -> app hop.
+	// SidecarUID is the uid the sidecar proxy runs as; it names the sidecar -> app hop.
+	// 0 means the default, Istio's 1337 (root cannot be the sidecar uid).
 	SidecarUID uint32
 	// OutboundPort and InboundPort are the sidecar's capture ports (Istio: 15001, 15006); 0 = default.
 	OutboundPort, InboundPort uint16
@@ -60,6 +61,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.SockhashCapacity == 0 {
 		c.SockhashCapacity = DefaultCapacity
+	}
+	if c.SidecarUID == 0 {
+		c.SidecarUID = 1337
 	}
 	if c.OutboundPort == 0 {
 		c.OutboundPort = 15001

@@ -642,10 +642,10 @@ func attachCgroupLink(root string) (where string, err error) {
 }
 
 // sockmapLink attaches an sk_msg program to an empty SOCKHASH with
-// BPF_LINK_CREATE (Linux 6.10). Optional: older kernels attach sk_msg with
-// BPF_PROG_ATTACH, which works but cannot be pinned as a link.
+// BPF_LINK_CREATE (Linux 6.10). Required: the agent pins the sk_msg link so a
+// restarted agent can replace the program atomically.
 func (p *prober) sockmapLink() {
-	p.feature(CheckSockmapLink, false, "sk_msg attach as a pinnable link (Linux 6.10)",
+	p.feature(CheckSockmapLink, true, "sk_msg attach as a pinnable link (Linux 6.10)",
 		kernelLinkSock, configSockMsg, attachSockmapLink)
 }
 

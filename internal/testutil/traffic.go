@@ -63,12 +63,17 @@ func (s *EchoServer) Close() {
 
 // IntegrityOptions shapes the load of CheckIntegrity.
 type IntegrityOptions struct {
-	Conns       int           // concurrent connections
-	Messages    int           // writes per connection
-	MaxSize     int           // each write is 1..MaxSize bytes
-	Seed        uint64        // payloads are reproducible
-	Timeout     time.Duration // per connection; a hang is a failure
-	BetweenMsgs func(conn, msg int)
+	Conns    int           // concurrent connections
+	Messages int           // writes per connection (the minimum when Stop is set)
+	MaxSize  int           // each write is 1..MaxSize bytes
+	Seed     uint64        // payloads are reproducible
+	Timeout  time.Duration // per connection; a hang is a failure
+	// Stop, when set, keeps every connection writing until it is closed
+	// (streams under load while something else happens).
+	Stop <-chan struct{}
+	// Started, when set, receives one value per connection once it has
+	// written its first message (a condition to wait for, not a sleep).
+	Started chan<- struct{}
 }
 
 // IntegrityResult summarises CheckIntegrity.
@@ -123,6 +128,25 @@ func CheckIntegrity(dial func() (net.Conn, error), opts IntegrityOptions) Integr
 	return res
 }
 
+// payloadGen produces a connection's byte stream: message sizes and bytes
+// from one seeded generator, so the reader can regenerate what it expects.
+type payloadGen struct {
+	rng     *rand.Rand
+	maxSize int
+}
+
+func newPayloadGen(seed uint64, idx, maxSize int) *payloadGen {
+	return &payloadGen{rng: rand.New(rand.NewPCG(seed, uint64(idx))), maxSize: maxSize}
+}
+
+func (g *payloadGen) next() []byte {
+	b := make([]byte, 1+g.rng.IntN(g.maxSize))
+	for j := range b {
+		b[j] = byte(g.rng.Uint32())
+	}
+	return b
+}
+
 func oneConn(dial func() (net.Conn, error), opts IntegrityOptions, idx int) (sent, echoed int64, same bool, err error) {
 	c, err := dial()
 	if err != nil {
@@ -130,52 +154,81 @@ func oneConn(dial func() (net.Conn, error), opts IntegrityOptions, idx int) (sen
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(opts.Timeout))
-	rng := rand.New(rand.NewPCG(opts.Seed, uint64(idx)))
-	var payload bytes.Buffer
-	for m := 0; m < opts.Messages; m++ {
-		n := 1 + rng.IntN(opts.MaxSize)
-		b := make([]byte, n)
-		for j := range b {
-			b[j] = byte(rng.Uint32())
-		}
-		payload.Write(b)
-	}
-	want := payload.Bytes()
 
-	readDone := make(chan error, 1)
-	var got bytes.Buffer
+	type readResult struct {
+		n    int64
+		same bool
+		err  error
+	}
+	readDone := make(chan readResult, 1)
 	go func() {
-		_, err := io.Copy(&got, c)
-		readDone <- err
-	}()
-	// Write message by message so each write is one sendmsg (one sk_msg run).
-	rng2 := rand.New(rand.NewPCG(opts.Seed, uint64(idx)))
-	off := 0
-	var werr error
-	for m := 0; m < opts.Messages && werr == nil; m++ {
-		n := 1 + rng2.IntN(opts.MaxSize)
-		for j := 0; j < n; j++ {
-			rng2.Uint32()
+		// Compare as bytes arrive against the regenerated stream.
+		want := newPayloadGen(opts.Seed, idx, opts.MaxSize)
+		var pending []byte
+		buf := make([]byte, 64<<10)
+		var r readResult
+		r.same = true
+		for {
+			n, err := c.Read(buf)
+			got := buf[:n]
+			r.n += int64(n)
+			for len(got) > 0 && r.same {
+				if len(pending) == 0 {
+					pending = want.next()
+				}
+				k := min(len(got), len(pending))
+				if !bytes.Equal(got[:k], pending[:k]) {
+					r.same = false
+				}
+				got, pending = got[k:], pending[k:]
+			}
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				r.err = err
+				break
+			}
 		}
-		_, werr = c.Write(want[off : off+n])
-		off += n
-		sent += int64(n)
-		if opts.BetweenMsgs != nil {
-			opts.BetweenMsgs(idx, m)
+		readDone <- r
+	}()
+
+	// Write message by message so each write is one sendmsg (one sk_msg run).
+	gen := newPayloadGen(opts.Seed, idx, opts.MaxSize)
+	var werr error
+	finished := func(m int) bool {
+		if m < opts.Messages {
+			return false
+		}
+		if opts.Stop == nil {
+			return true
+		}
+		select {
+		case <-opts.Stop:
+			return true
+		default:
+			return false
+		}
+	}
+	for m := 0; werr == nil && !finished(m); m++ {
+		b := gen.next()
+		_, werr = c.Write(b)
+		sent += int64(len(b))
+		if m == 0 && opts.Started != nil {
+			opts.Started <- struct{}{}
 		}
 	}
 	if werr == nil {
 		werr = c.(interface{ CloseWrite() error }).CloseWrite()
 	}
-	rerr := <-readDone
-	echoed = int64(got.Len())
+	r := <-readDone
 	if werr != nil {
-		return sent, echoed, false, fmt.Errorf("write: %w", werr)
+		return sent, r.n, false, fmt.Errorf("write: %w", werr)
 	}
-	if rerr != nil {
-		return sent, echoed, false, fmt.Errorf("read: %w", rerr)
+	if r.err != nil {
+		return sent, r.n, false, fmt.Errorf("read: %w", r.err)
 	}
-	return sent, echoed, bytes.Equal(got.Bytes(), want), nil
+	return sent, r.n, r.same && r.n == sent, nil
 }
 
 // copyNoSplice copies through a user-space buffer (io.Copy between TCP
