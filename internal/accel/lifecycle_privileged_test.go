@@ -1,0 +1,242 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package accel
+
+import (
+	"bufio"
+	"bytes"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/meshwarp/meshwarp/internal/testutil"
+)
+
+var (
+	buildOnce sync.Once
+	binPath   string
+	buildErr  error
+)
+
+// meshwarpBinary builds cmd/meshwarp once per test run.
+func meshwarpBinary(t *testing.T) string {
+	t.Helper()
+	buildOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "meshwarp-test-bin-")
+		if err != nil {
+			buildErr = err
+			return
+		}
+		binPath = filepath.Join(dir, "meshwarp")
+		out, err := exec.Command("go", "build", "-o", binPath, "../../cmd/meshwarp").CombinedOutput()
+		if err != nil {
+			buildErr = err
+			binPath = string(out)
+		}
+	})
+	if buildErr != nil {
+		t.Fatalf("build meshwarp: %v\n%s", buildErr, binPath)
+	}
+	return binPath
+}
+
+// agentProc is `meshwarp run` as a separate process.
+type agentProc struct {
+	cmd    *exec.Cmd
+	stderr *lockedBuffer
+	exited chan struct{} // closed once the process has been waited for
+}
+
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// startAgentProc runs meshwarp run and waits until it says it is attached
+// (or exits).
+func startAgentProc(t *testing.T, cgroup, pinDir string, extra ...string) *agentProc {
+	t.Helper()
+	args := append([]string{"run", "--cgroup", cgroup, "--pin-dir", pinDir, "--metrics-addr", ""}, extra...)
+	cmd := exec.Command(meshwarpBinary(t), args...)
+	p := &agentProc{cmd: cmd, stderr: &lockedBuffer{}, exited: make(chan struct{})}
+	pr, pw := io.Pipe()
+	cmd.Stderr = io.MultiWriter(p.stderr, pw)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		cmd.Wait()
+		pw.Close()
+		close(p.exited)
+	}()
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		<-p.exited
+	})
+	ready := make(chan bool, 1)
+	go func() {
+		sc := bufio.NewScanner(pr)
+		for sc.Scan() {
+			if strings.Contains(sc.Text(), "meshwarp: accelerating TCP") {
+				ready <- true
+				io.Copy(io.Discard, pr)
+				return
+			}
+		}
+		ready <- false
+	}()
+	select {
+	case ok := <-ready:
+		if !ok {
+			t.Fatalf("meshwarp run did not start:\n%s", p.stderr.String())
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatalf("meshwarp run not ready after 60s:\n%s", p.stderr.String())
+	}
+	return p
+}
+
+// stop signals the agent and waits for it; it returns the exit code
+// (minus the signal number when a signal killed it).
+func (p *agentProc) stop(t *testing.T, sig syscall.Signal) int {
+	t.Helper()
+	if err := p.cmd.Process.Signal(sig); err != nil {
+		t.Fatal(err)
+	}
+	<-p.exited
+	if ws, ok := p.cmd.ProcessState.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		return -int(ws.Signal())
+	}
+	return p.cmd.ProcessState.ExitCode()
+}
+
+func pinned(pinDir string) bool {
+	_, err := os.Stat(filepath.Join(pinDir, sockopsLinkPin))
+	return err == nil
+}
+
+// Invariant 3: SIGKILL, restart with adoption, upgrade-style restart and
+// SIGTERM while 100 connections stream data: no byte lost, no reset, and
+// after the connections close nothing is left pinned or attached.
+func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	cgroup := testutil.EnterCgroup(t)
+	pinDir := testutil.PinDir(t)
+
+	srv := testutil.ServeEcho(mustListen(t, "127.0.0.1:0"))
+	defer srv.Close()
+	target := srv.Addr().String()
+	dial := func() (net.Conn, error) { return net.Dial("tcp", target) }
+
+	agent1 := startAgentProc(t, cgroup, pinDir)
+
+	stop := make(chan struct{})
+	started := make(chan struct{}, 100)
+	streams := make(chan testutil.IntegrityResult, 1)
+	go func() {
+		streams <- testutil.CheckIntegrity(dial, testutil.IntegrityOptions{
+			Conns: 100, Messages: 50, MaxSize: 16 << 10, Seed: 11, Stop: stop, Started: started,
+		})
+	}()
+	for range 100 {
+		<-started
+	}
+	before, err := ReadPinnedStats(pinDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if before.AcceleratedSockets == 0 {
+		t.Fatalf("streams were not accelerated: %+v", before)
+	}
+
+	// 1. SIGKILL: the data path stays attached and pinned.
+	if code := agent1.stop(t, syscall.SIGKILL); code != -int(syscall.SIGKILL) {
+		t.Fatalf("agent exit %d", code)
+	}
+	if !pinned(pinDir) {
+		t.Fatal("SIGKILL removed the pins")
+	}
+	checkNewConnections(t, dial, "after SIGKILL")
+
+	// 2. Restart: the new agent adopts the pinned maps and links.
+	agent2 := startAgentProc(t, cgroup, pinDir, "--keep-on-exit")
+	if !strings.Contains(agent2.stderr.String(), "adopted=true") {
+		t.Fatalf("restarted agent did not adopt the pinned state:\n%s", agent2.stderr.String())
+	}
+	after, err := ReadPinnedStats(pinDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after.RedirectedBytes < before.RedirectedBytes {
+		t.Fatalf("counters went backwards across restart: %d < %d", after.RedirectedBytes, before.RedirectedBytes)
+	}
+
+	// 3. Upgrade-style restart: SIGTERM with --keep-on-exit, then a new agent replaces the programs.
+	if code := agent2.stop(t, syscall.SIGTERM); code != 0 {
+		t.Fatalf("agent with --keep-on-exit exited %d:\n%s", code, agent2.stderr.String())
+	}
+	if !pinned(pinDir) {
+		t.Fatal("--keep-on-exit removed the pins")
+	}
+	agent3 := startAgentProc(t, cgroup, pinDir)
+	checkNewConnections(t, dial, "after upgrade")
+
+	// 4. SIGTERM: uninstall while the streams still run.
+	if code := agent3.stop(t, syscall.SIGTERM); code != 0 {
+		t.Fatalf("agent exited %d on SIGTERM:\n%s", code, agent3.stderr.String())
+	}
+	if _, err := os.Stat(pinDir); !os.IsNotExist(err) {
+		t.Fatalf("SIGTERM left %s behind", pinDir)
+	}
+	checkNewConnections(t, dial, "after uninstall")
+
+	close(stop)
+	res := <-streams
+	if err := res.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if n := srv.Resets.Load(); n != 0 {
+		t.Fatalf("%d connections were reset", n)
+	}
+	t.Logf("100 streams survived kill/restart/upgrade/uninstall: %d bytes echoed intact", res.BytesEcho)
+	if out := testutil.Run(t, "bpftool", "cgroup", "show", cgroup); strings.Contains(out, "sock_ops") {
+		t.Fatalf("sock_ops still attached to %s:\n%s", cgroup, out)
+	}
+}
+
+// checkNewConnections opens fresh connections and checks their bytes.
+func checkNewConnections(t *testing.T, dial func() (net.Conn, error), when string) {
+	t.Helper()
+	res := testutil.CheckIntegrity(dial, testutil.IntegrityOptions{Conns: 10, Messages: 5, MaxSize: 32 << 10, Seed: 99})
+	if err := res.Err(); err != nil {
+		t.Fatalf("new connections %s: %v", when, err)
+	}
+}
+
+func mustListen(t *testing.T, addr string) net.Listener {
+	t.Helper()
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ln
+}
