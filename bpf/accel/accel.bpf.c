@@ -249,6 +249,11 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		if (other && __sync_val_compare_and_swap(&other->state, MW_CONN_PENDING,
 							 MW_CONN_PASSTHROUGH) == MW_CONN_PENDING)
 			other->reason = MW_REASON_KEY_COLLISION;
+		if (!other) {
+			cnt = counters();
+			if (cnt)
+				cnt->sockhash_full++;
+		}
 		st->decision = MW_CONN_PASSTHROUGH;
 		st->reason = reason;
 		count_conn(reason);

@@ -1,0 +1,143 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package accel
+
+import (
+	"io"
+	"net"
+	"net/netip"
+	"strconv"
+	"testing"
+
+	"github.com/meshwarp/meshwarp/internal/testutil"
+)
+
+// echoOn starts an echo server on addr and returns its address.
+func echoOn(t *testing.T, addr string) string {
+	t.Helper()
+	srv := testutil.ServeEcho(mustListen(t, addr))
+	t.Cleanup(srv.Close)
+	return srv.Addr().String()
+}
+
+func dialer(target string) func() (net.Conn, error) {
+	return func() (net.Conn, error) { return net.Dial("tcp", target) }
+}
+
+func portOf(t *testing.T, addr string) uint16 {
+	t.Helper()
+	_, p, _ := net.SplitHostPort(addr)
+	n, err := strconv.Atoi(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return uint16(n)
+}
+
+var fallbackOpts = testutil.IntegrityOptions{Conns: 30, Messages: 5, MaxSize: 32 << 10, Seed: 5}
+
+// Invariant 4: excluded ports and CIDRs use the normal stack, intact, and
+// a policy change applies to new connections without a reload.
+func TestPrivilegedFallbackPolicy(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	// Agent first: listeners must be created inside the test cgroup.
+	a := startAgent(t, Config{})
+	accelerated := echoOn(t, "127.0.0.1:0")
+	excludedPort := echoOn(t, "127.0.0.1:0")
+	excludedCIDR := echoOn(t, "127.0.0.2:0")
+	if err := a.ApplyPolicy(Policy{
+		ExcludePorts: []uint16{portOf(t, excludedPort)},
+		ExcludeCIDRs: []netip.Prefix{netip.MustParsePrefix("127.0.0.2/32")},
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	run := func(target string) Stats {
+		t.Helper()
+		before := stats(t, a)
+		if err := testutil.CheckIntegrity(dialer(target), fallbackOpts).Err(); err != nil {
+			t.Fatalf("%s: %v", target, err)
+		}
+		return stats(t, a).Sub(before)
+	}
+	if d := run(excludedPort); d.RedirectedBytes != 0 || d.PassthroughConnections["policy"] != uint64(fallbackOpts.Conns) {
+		t.Fatalf("excluded port: redirected %d bytes, policy passthrough %d", d.RedirectedBytes, d.PassthroughConnections["policy"])
+	}
+	if d := run(excludedCIDR); d.RedirectedBytes != 0 || d.PassthroughConnections["policy"] != uint64(fallbackOpts.Conns) {
+		t.Fatalf("excluded CIDR: redirected %d bytes, policy passthrough %d", d.RedirectedBytes, d.PassthroughConnections["policy"])
+	}
+	if d := run(accelerated); d.RedirectedBytes == 0 {
+		t.Fatal("a port outside the exclusions was not accelerated")
+	}
+
+	// Runtime change: include only the formerly excluded port.
+	if err := a.ApplyPolicy(Policy{IncludePorts: []uint16{portOf(t, excludedPort)}}); err != nil {
+		t.Fatal(err)
+	}
+	if d := run(accelerated); d.RedirectedBytes != 0 {
+		t.Fatal("include list not applied at runtime: a port outside it was accelerated")
+	}
+	if d := run(excludedPort); d.RedirectedBytes == 0 {
+		t.Fatal("include list not applied at runtime: the included port was not accelerated")
+	}
+}
+
+// Invariant 4: when the SOCKHASH is full, further connections use the
+// normal stack without an error reaching the application.
+func TestPrivilegedFallbackSockhashFull(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	a := startAgent(t, Config{SockhashCapacity: 8})
+	target := echoOn(t, "127.0.0.1:0")
+	// Hold 20 connections open at once so the hash overflows.
+	stop := make(chan struct{})
+	started := make(chan struct{}, 20)
+	done := make(chan testutil.IntegrityResult, 1)
+	go func() {
+		done <- testutil.CheckIntegrity(dialer(target), testutil.IntegrityOptions{Conns: 20, Messages: 3, MaxSize: 8 << 10, Seed: 8, Stop: stop, Started: started})
+	}()
+	for range 20 {
+		<-started
+	}
+	close(stop)
+	if err := (<-done).Err(); err != nil {
+		t.Fatal(err)
+	}
+	s := stats(t, a)
+	t.Logf("sockhash full %d, passthrough conns %v, paired %d", s.SockhashFull, s.PassthroughConnections, s.PairedSockets)
+	if s.SockhashFull == 0 || s.PassthroughConnections["sockhash_full"] == 0 {
+		t.Fatal("capacity 8 with 20 open connections did not overflow")
+	}
+	if s.PairedSockets == 0 {
+		t.Fatal("no connection was accelerated below capacity")
+	}
+}
+
+// Receivers that read with splice(2) (Go's io.Copy between two TCP
+// connections does) cannot see bytes redirected into the socket: the
+// documented remedy is to exclude their port, and then they work.
+func TestPrivilegedFallbackSpliceReceiverExcluded(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	a := startAgent(t, Config{})
+	ln := mustListen(t, "127.0.0.1:0")
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				io.Copy(c, c) // splice(2) on Linux
+				c.(*net.TCPConn).CloseWrite()
+			}()
+		}
+	}()
+	t.Cleanup(func() { ln.Close() })
+	target := ln.Addr().String()
+	if err := a.ApplyPolicy(Policy{ExcludePorts: []uint16{portOf(t, target)}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := testutil.CheckIntegrity(dialer(target), fallbackOpts).Err(); err != nil {
+		t.Fatal(err)
+	}
+}
