@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs every test of meshwarp: the README's test command, and what CI runs.
+#   - installs the Debian packages the tests use (idempotent)
+#   - checks formatting, vet, and that the committed BPF objects match their C sources
+#   - unit tests, then the privileged integration tests (real kernel, real
+#     namespaces and cgroups; they skip with a reason when not run as root)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "packages"
+scripts/install-deps.sh --test
+
+step "gofmt"
+unformatted=$(gofmt -l cmd internal)
+if [[ -n "$unformatted" ]]; then
+	echo "not gofmt-ed:"; echo "$unformatted"; exit 1
+fi
+
+step "go vet"
+go vet ./...
+
+step "generate-check (committed BPF objects match bpf/ sources)"
+scripts/generate-check.sh
+
+if [[ $EUID -ne 0 ]]; then
+	echo "note: not root: privileged tests will be skipped (run as root for the full suite)" >&2
+fi
+
+# -p 1: privileged tests of different packages attach programs, create
+# namespaces and move the test process between cgroups; run packages one at
+# a time so they never share the 2 cores' worth of timing or names.
+step "tests"
+go test -p 1 -count=1 -timeout 40m ./... 2>&1 | tee /tmp/meshwarp-test.log
