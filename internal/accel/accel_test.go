@@ -60,8 +60,8 @@ func TestSumCountersAcrossCPUs(t *testing.T) {
 	a.SocketsClosed = 1
 	a.RedirectedBytes, b.RedirectedBytes = 100, 50
 	a.PassthroughMsgs[1], b.PassthroughMsgs[2] = 3, 4 // no_peer, peer_closed
-	a.PassthroughConns[6] = 2                        // policy
-	b.HopBytes[1] = 7                                // app_to_sidecar
+	a.PassthroughConns[6] = 2                         // policy
+	b.HopBytes[1] = 7                                 // app_to_sidecar
 	s := sumCounters([]accelMwCounters{a, b})
 	if s.AcceleratedSockets != 5 || s.RedirectedBytes != 150 || s.PassthroughMessages != 7 {
 		t.Fatalf("sum: %+v", s)

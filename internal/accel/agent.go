@@ -29,6 +29,14 @@ import (
 // DefaultPinDir is where the agent pins what must survive a restart.
 const DefaultPinDir = "/sys/fs/bpf/meshwarp"
 
+// ErrBadConfig marks a refusal caused by the given configuration (a cgroup
+// or pin directory that does not fit); the CLI maps it to a usage exit code.
+var ErrBadConfig = errors.New("bad configuration")
+
+// ErrNotReady marks a refusal caused by the machine (read-only bpffs,
+// missing privileges); the CLI maps it to the "not ready" exit code.
+var ErrNotReady = errors.New("machine not ready")
+
 // DefaultCapacity is the default number of sockets (and connections) tracked.
 const DefaultCapacity = 65536
 
@@ -96,7 +104,7 @@ func Start(cfg Config, logger *slog.Logger) (_ *Agent, err error) {
 	}
 	logger = logger.With("subsys", "accel")
 	if cfg.CgroupPath == "" {
-		return nil, errors.New("no cgroup given: pass the cgroup v2 directory to attach to")
+		return nil, fmt.Errorf("%w: no cgroup given: pass the cgroup v2 directory to attach to", ErrBadConfig)
 	}
 	if err := checkCgroup2(cfg.CgroupPath); err != nil {
 		return nil, err
@@ -265,10 +273,10 @@ func loadError(err error, pinDir string) error {
 func checkCgroup2(path string) error {
 	var fs unix.Statfs_t
 	if err := unix.Statfs(path, &fs); err != nil {
-		return fmt.Errorf("cgroup %s: %w (pass an existing cgroup v2 directory, e.g. the mount point shown by `meshwarp probe`)", path, err)
+		return fmt.Errorf("%w: cgroup %s: %w (pass an existing cgroup v2 directory, e.g. the mount point shown by `meshwarp probe`)", ErrBadConfig, path, err)
 	}
 	if fs.Type != unix.CGROUP2_SUPER_MAGIC {
-		return fmt.Errorf("%s is not a cgroup v2 directory: pass a directory under the cgroup2 mount (see `grep cgroup2 /proc/mounts`)", path)
+		return fmt.Errorf("%w: %s is not a cgroup v2 directory: pass a directory under the cgroup2 mount (see `grep cgroup2 /proc/mounts`)", ErrBadConfig, path)
 	}
 	return nil
 }
@@ -278,23 +286,26 @@ func preparePinDir(dir string) (created bool, err error) {
 	parent := filepath.Dir(dir)
 	var fs unix.Statfs_t
 	if err := unix.Statfs(parent, &fs); err != nil {
-		return false, fmt.Errorf("pin directory parent %s: %w (mount bpffs: mount -t bpf bpf /sys/fs/bpf)", parent, err)
+		return false, fmt.Errorf("%w: pin directory parent %s: %w (choose a --pin-dir on a bpffs mount, default %s; mount one with: mount -t bpf bpf /sys/fs/bpf)", ErrBadConfig, parent, err, DefaultPinDir)
 	}
 	if fs.Type != unix.BPF_FS_MAGIC {
-		return false, fmt.Errorf("%s is not on a bpf filesystem: mount -t bpf bpf /sys/fs/bpf (or `meshwarp probe`, which mounts it)", parent)
+		return false, fmt.Errorf("%w: %s is not on a bpf filesystem: choose a --pin-dir on a bpffs mount (default %s) or mount one there: mount -t bpf bpf %s", ErrBadConfig, parent, DefaultPinDir, parent)
 	}
 	if _, err := os.Stat(dir); err == nil {
 		return false, checkWritable(dir)
 	}
 	if err := os.Mkdir(dir, 0o700); err != nil {
-		return false, fmt.Errorf("create pin directory %s: %w (bpffs read-only or not root?)", dir, err)
+		if errors.Is(err, unix.EROFS) || errors.Is(err, unix.EACCES) || errors.Is(err, unix.EPERM) {
+			return false, fmt.Errorf("%w: create pin directory %s: %w (run as root; if bpffs is read-only: mount -o remount,rw %s)", ErrNotReady, dir, err, parent)
+		}
+		return false, fmt.Errorf("create pin directory %s: %w", dir, err)
 	}
 	return true, nil
 }
 
 func checkWritable(dir string) error {
 	if err := unix.Access(dir, unix.W_OK); err != nil {
-		return fmt.Errorf("pin directory %s is not writable: %w (run as root; remount bpffs read-write)", dir, err)
+		return fmt.Errorf("%w: pin directory %s is not writable: %w (run as root; if bpffs is read-only: mount -o remount,rw %s)", ErrNotReady, dir, err, filepath.Dir(dir))
 	}
 	return nil
 }

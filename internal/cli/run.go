@@ -119,7 +119,12 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 		Policy:           policy,
 		SockhashCapacity: o.capacity,
 	}, logger)
-	if err != nil {
+	switch {
+	case errors.Is(err, accel.ErrBadConfig):
+		return withExit(ExitUsage, err)
+	case errors.Is(err, accel.ErrNotReady):
+		return withExit(ExitNotReady, err)
+	case err != nil:
 		return err
 	}
 	stop := func() error {
