@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The main job: install what is missing, build meshwarp, bring up the lab,
+# run the side-by-side benchmark and print the comparison.
+#   ./scripts/demo.sh          quick run (every mode and workload, short runs)
+#   ./scripts/demo.sh --full   3 interleaved repeats of 10 s runs (about 15 minutes)
+# Reports go to ./out/ (bench.json, report.html).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ $EUID -ne 0 ]]; then
+	echo "demo: needs root (BPF, network namespaces, iptables): sudo $0 $*" >&2
+	exit 1
+fi
+scripts/install-deps.sh
+mkdir -p out
+echo "== building meshwarp" >&2
+go build -o out/meshwarp ./cmd/meshwarp
+out/meshwarp probe
+
+mode=(--quick)
+if [[ "${1:-}" == "--full" ]]; then
+	mode=(--repeat 3 --duration 10s)
+fi
+out/meshwarp bench "${mode[@]}" --json out/bench.json --html out/report.html
+echo
+echo "HTML report: $(pwd)/out/report.html   JSON: $(pwd)/out/bench.json"
