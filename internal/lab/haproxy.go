@@ -63,6 +63,9 @@ defaults
     timeout server 1h
     timeout http-request 1h
     timeout http-keep-alive 1h
+    # half-closed connections (one side sent FIN) do not linger
+    timeout client-fin 5s
+    timeout server-fin 5s
 
 frontend outbound
     bind 0.0.0.0:{{.OutboundPort}}

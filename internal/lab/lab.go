@@ -367,10 +367,11 @@ func (l *Lab) daemons(p podPlan) ([]daemon, error) {
 			ports: []int{HTTPPort, TCPEchoPort},
 		},
 		daemon{
-			pod:   p,
-			name:  procQperf,
-			argv:  []string{qperf, "--listen_port", strconv.Itoa(QperfPort)},
-			ports: []int{QperfPort},
+			pod:        p,
+			name:       procQperf,
+			argv:       []string{qperf, "--listen_port", strconv.Itoa(QperfPort)},
+			ports:      []int{QperfPort},
+			listenOnly: true,
 		},
 	)
 	return ds, nil
@@ -460,8 +461,13 @@ func (l *Lab) waitListening(ctx context.Context, d daemon) error {
 		addr := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port)).String()
 		var lastErr error
 		err := poll(ctx, 20*time.Second, 20*time.Millisecond, func() (bool, error) {
-			if ownedPid(d.pod.Name, d.pod.Netns, d.name) == 0 {
+			pid := ownedPid(d.pod.Name, d.pod.Netns, d.name)
+			if pid == 0 {
 				return false, fmt.Errorf("%s in %s exited: see %s", d.name, d.pod.Name, logFile(d.pod.Name, d.name))
+			}
+			if d.listenOnly {
+				lastErr = errors.New("not listening yet")
+				return listening(pid, port), nil
 			}
 			c, err := dialIn(ctx, d.pod.Netns, "tcp", addr)
 			if err != nil {
@@ -611,6 +617,19 @@ func Load() (*Lab, error) {
 		}
 	}
 	return l, nil
+}
+
+// SetLogger replaces the logger of a Lab from Load (which logs to
+// slog.Default) for SetCapture and RestartSidecars. Call it before using the
+// Lab from several goroutines.
+func (l *Lab) SetLogger(logger *slog.Logger) {
+	if logger == nil {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.logger = logger.With("subsys", "lab")
+	l.r = &runner{logger: l.logger}
 }
 
 // Client returns pod-0, where load generators run.

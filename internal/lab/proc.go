@@ -131,6 +131,30 @@ type daemon struct {
 	argv  []string // run as `ip netns exec <pod netns> argv...`
 	env   []string // added to the environment
 	ports []int    // must accept on 127.0.0.1 inside the pod once started
+	// listenOnly: check the ports are in LISTEN state instead of connecting
+	// (qperf forks a child per connection that waits for a request and
+	// logs an error: a probe connection would leave one behind each time).
+	listenOnly bool
+}
+
+// listening reports whether the process pid has a TCP socket listening on
+// port, read from /proc/<pid>/net/tcp{,6}, i.e. in the process's own netns.
+func listening(pid, port int) bool {
+	want := fmt.Sprintf(":%04X", port)
+	for _, f := range []string{"tcp", "tcp6"} {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, f))
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(b), "\n")[1:] {
+			// sl local_address rem_address st ...; st 0A is TCP_LISTEN
+			fl := strings.Fields(line)
+			if len(fl) > 3 && strings.HasSuffix(fl[1], want) && fl[3] == "0A" {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // startDaemon starts d detached (own session), inside the lab cgroup from its
