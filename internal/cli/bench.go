@@ -4,17 +4,232 @@ package cli
 
 import (
 	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+
+	"github.com/meshwarp/meshwarp/internal/bench"
 )
 
-// TODO: implemented by the bench work.
+type benchFlags struct {
+	duration      time.Duration
+	qperfDuration time.Duration
+	repeat        int
+	modes         []string
+	workloads     []string
+	sizes         []string
+	connections   int
+	quick         bool
+	jsonPath      string
+	htmlPath      string
+	keepLab       bool
+	pinDir        string
+}
+
 func newBenchCommand(g *globalOptions) *cobra.Command {
-	return &cobra.Command{
+	f := &benchFlags{}
+	cmd := &cobra.Command{
 		Use:   "bench",
-		Short: "bench (not implemented yet)",
+		Short: "Measure direct / sidecar / sidecar+meshwarp / direct+meshwarp side by side in the lab",
+		Long: `bench runs the seeds' experiments in the lab (meshwarp lab), every mode in turn,
+repeated, and reports medians, spread and per-repeat ratios:
+
+  modes      direct            pod to pod, no capture
+             sidecar           Istio-style iptables capture through HAProxy sidecars
+             sidecar+meshwarp  sidecar with the meshwarp agent attached for that mode only
+             direct+meshwarp   direct with the agent attached
+  workloads  http   fortio HTTP load, 64 connections, qps max, /echo?size=1024
+             tcp    fortio TCP echo load, 64 connections, qps max, 1 KB payload
+             qperf  qperf tcp_lat and tcp_bw pod to pod per message size
+             unix   AF_UNIX socketpair ping-pong and stream: the floor
+
+The load generator runs inside the client pod and the lab cgroup; CPU is the
+lab cgroup's (apps, sidecars, load generator) per 1,000 requests. If no lab is
+up, bench brings one up and takes it down at the end (unless --keep-lab); a lab
+that is already up is used and left as it was. Needs root.`,
+		Example: `  meshwarp bench --quick --html report.html
+  meshwarp bench --repeat 3 --duration 10s --json bench.json --html bench.html
+  meshwarp bench --modes sidecar,sidecar+meshwarp --workloads http,tcp`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return errors.New("bench: not implemented yet")
+			return runBench(cmd, g, f)
 		},
 	}
+	fl := cmd.Flags()
+	fl.DurationVar(&f.duration, "duration", bench.DefaultDuration, "length of one fortio run")
+	fl.DurationVar(&f.qperfDuration, "qperf-duration", 0, "length of one qperf test (and one unix floor test) per message size (default min(duration, 3s); whole seconds)")
+	fl.IntVar(&f.repeat, "repeat", bench.DefaultRepeat, "rounds of every mode (modes interleaved: A B C D A B C D ...)")
+	fl.StringSliceVar(&f.modes, "modes", bench.AllModes, "modes to run, in this order")
+	fl.StringSliceVar(&f.workloads, "workloads", bench.AllWorkloads, "workloads: http, tcp, qperf, unix")
+	fl.StringSliceVar(&f.sizes, "sizes", nil, "qperf and unix message sizes (e.g. 1,64,256,1K,4K,16K; default those)")
+	fl.IntVar(&f.connections, "connections", bench.DefaultConnections, "fortio connections (http, tcp)")
+	fl.BoolVar(&f.quick, "quick", false, "short CI run: 1s runs, 1 repeat, sizes 64 and 16K, every mode and workload")
+	fl.StringVar(&f.jsonPath, "json", "", "write the JSON report (docs/bench-schema.json) to `FILE`")
+	fl.StringVar(&f.htmlPath, "html", "", "write the self-contained HTML report to `FILE`")
+	fl.BoolVar(&f.keepLab, "keep-lab", false, "keep a lab that bench brought up itself")
+	fl.StringVar(&f.pinDir, "pin-dir", bench.DefaultPinDir, "where the bench's agent pins its maps (removed after each mode)")
+	cmd.AddCommand(newBenchWorkerCommand())
+	return cmd
+}
+
+// newBenchWorkerCommand is the load generator that bench starts inside the
+// client pod (hidden: not for people). bench itself re-executes the binary
+// with MESHWARP_BENCH_REEXEC=worker, which dispatches before cobra; this
+// command is the same entry point for running a worker by hand.
+func newBenchWorkerCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:                "worker --spec JSON",
+		Short:              "bench load generator (internal)",
+		Hidden:             true,
+		DisableFlagParsing: true,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if code := bench.WorkerMain(args, cmd.OutOrStdout(), cmd.ErrOrStderr()); code != 0 {
+				return withExit(code, errors.New("bench worker failed"))
+			}
+			return nil
+		},
+	}
+}
+
+func parseSizes(in []string) ([]int, error) {
+	var out []int
+	for _, s := range in {
+		s = strings.TrimSpace(s)
+		mult := 1
+		switch {
+		case strings.HasSuffix(s, "K"), strings.HasSuffix(s, "k"):
+			mult, s = 1024, s[:len(s)-1]
+		case strings.HasSuffix(s, "M"):
+			mult, s = 1024*1024, s[:len(s)-1]
+		}
+		n, err := strconv.Atoi(s)
+		if err != nil {
+			return nil, fmt.Errorf("--sizes: %q is not a size", s)
+		}
+		out = append(out, n*mult)
+	}
+	return out, nil
+}
+
+func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
+	fl := cmd.Flags()
+	opts := bench.Options{}
+	if f.quick {
+		opts = bench.QuickOptions()
+	}
+	if !f.quick || fl.Changed("duration") {
+		opts.Duration = f.duration
+	}
+	if fl.Changed("qperf-duration") {
+		opts.QperfDuration = f.qperfDuration
+	}
+	if !f.quick || fl.Changed("repeat") {
+		opts.Repeat = f.repeat
+	}
+	if fl.Changed("sizes") {
+		sizes, err := parseSizes(f.sizes)
+		if err != nil {
+			return withExit(ExitUsage, err)
+		}
+		opts.Sizes = sizes
+	}
+	opts.Modes = f.modes
+	opts.Workloads = f.workloads
+	opts.Connections = f.connections
+	opts.KeepLab = f.keepLab
+	opts.PinDir = f.pinDir
+
+	// The agent and lab log at info on every mode switch: keep the terminal
+	// to the progress bar and the table unless --debug.
+	level := slog.LevelWarn
+	if g.debug {
+		level = slog.LevelDebug
+	}
+	logger := slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))
+	opts.Logger = logger
+	if err := opts.Normalize(); err != nil {
+		return withExit(ExitUsage, err)
+	}
+	if os.Geteuid() != 0 {
+		return withExit(ExitNotReady, errors.New("bench needs root (it builds network namespaces, iptables rules and attaches BPF programs): run it with sudo"))
+	}
+	if slices.Contains(opts.Workloads, bench.WorkloadQperf) {
+		if _, err := exec.LookPath("qperf"); err != nil {
+			return withExit(ExitNotReady, errors.New("qperf is not installed: run scripts/install-deps.sh (or drop it: --workloads http,tcp,unix)"))
+		}
+	}
+
+	ctx := cmd.Context()
+	stderr := cmd.ErrOrStderr()
+	session, err := bench.OpenLab(ctx, opts.KeepLab, logger)
+	if err != nil {
+		return withExit(ExitNotReady, err)
+	}
+	switch {
+	case session.BroughtUp && opts.KeepLab:
+		fmt.Fprintln(stderr, "bench: no lab was up: brought one up (kept at the end: --keep-lab)")
+	case session.BroughtUp:
+		fmt.Fprintln(stderr, "bench: no lab was up: brought one up (taken down at the end)")
+	default:
+		fmt.Fprintln(stderr, "bench: using the lab that is up (left as found)")
+	}
+	rep, runErr := bench.Run(ctx, opts, session.Env(), bench.StartAccel(logger), stderr)
+	closeErr := session.Close()
+	if bench.PinDirLeft(opts.PinDir) {
+		closeErr = errors.Join(closeErr, fmt.Errorf("agent pins left in %s: run `meshwarp cleanup --pin-dir %s`", opts.PinDir, opts.PinDir))
+	}
+	if runErr != nil {
+		return errors.Join(runErr, closeErr)
+	}
+	rep.Config.LabBroughtUpByBench = session.BroughtUp
+	rep.Config.Command = benchCommandLine(fl)
+
+	out := cmd.OutOrStdout()
+	if err := rep.WriteTable(out); err != nil {
+		return err
+	}
+	if f.jsonPath != "" {
+		if err := rep.WriteJSONFile(f.jsonPath); err != nil {
+			return err
+		}
+		fmt.Fprintf(out, "\nJSON report: %s\n", f.jsonPath)
+	}
+	if f.htmlPath != "" {
+		if err := rep.WriteHTMLFile(f.htmlPath); err != nil {
+			return err
+		}
+		fmt.Fprintf(out, "HTML report: %s\n", f.htmlPath)
+	}
+	if closeErr != nil {
+		return closeErr
+	}
+	if len(rep.Failures) > 0 {
+		return fmt.Errorf("%d run(s) failed (listed above)", len(rep.Failures))
+	}
+	return nil
+}
+
+// benchCommandLine reconstructs the command from the flags that were set.
+func benchCommandLine(fl *pflag.FlagSet) string {
+	parts := []string{"meshwarp", "bench"}
+	fl.Visit(func(f *pflag.Flag) {
+		switch f.Value.Type() {
+		case "bool":
+			parts = append(parts, "--"+f.Name)
+		case "stringSlice":
+			v := strings.Trim(f.Value.String(), "[]")
+			parts = append(parts, "--"+f.Name+"="+v)
+		default:
+			parts = append(parts, "--"+f.Name+"="+f.Value.String())
+		}
+	})
+	return strings.Join(parts, " ")
 }

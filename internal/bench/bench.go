@@ -1,0 +1,191 @@
+// SPDX-License-Identifier: Apache-2.0
+
+// Package bench measures direct / sidecar / sidecar+meshwarp /
+// direct+meshwarp side by side in the lab (internal/lab), with the seeds'
+// workloads: fortio HTTP and TCP echo load (fortio as a Go library, run by
+// a worker process inside the client pod), qperf tcp_lat/tcp_bw, and an
+// AF_UNIX socketpair floor. Modes are interleaved and repeated; the report
+// gives medians, spread and per-repeat paired ratios, as a terminal table,
+// JSON (docs/bench-schema.json) and a self-contained HTML page.
+package bench
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"time"
+)
+
+// Modes.
+const (
+	ModeDirect          = "direct"           // pod to pod, no capture, no agent
+	ModeSidecar         = "sidecar"          // Istio-style capture through HAProxy sidecars
+	ModeSidecarMeshwarp = "sidecar+meshwarp" // sidecar with the agent attached
+	ModeDirectMeshwarp  = "direct+meshwarp"  // direct with the agent attached
+	// ModeFloor labels the AF_UNIX results, which do not depend on the mode.
+	ModeFloor = "floor"
+)
+
+// Workloads.
+const (
+	WorkloadHTTP  = "http"
+	WorkloadTCP   = "tcp"
+	WorkloadQperf = "qperf"
+	WorkloadUnix  = "unix"
+)
+
+// Defaults (the seeds' settings).
+const (
+	DefaultDuration     = 10 * time.Second
+	DefaultRepeat       = 3
+	DefaultConnections  = 64
+	DefaultPayloadBytes = 1024
+	// DefaultResolutionSeconds is the histogram resolution: 10 us (fortio's
+	// default of 1 ms would put every request of this lab in one bucket).
+	DefaultResolutionSeconds = 0.00001
+	// DefaultPinDir keeps the bench agent apart from a production agent.
+	DefaultPinDir = "/sys/fs/bpf/meshwarp-bench"
+	// SidecarUID is the uid of the lab's sidecars (Istio's 1337).
+	SidecarUID = 1337
+)
+
+// AllModes in their default (interleaving) order.
+var AllModes = []string{ModeDirect, ModeSidecar, ModeSidecarMeshwarp, ModeDirectMeshwarp}
+
+// AllWorkloads in report order.
+var AllWorkloads = []string{WorkloadHTTP, WorkloadTCP, WorkloadQperf, WorkloadUnix}
+
+// DefaultSizes are the qperf and unix message sizes (the seed's 1 B to 16 KiB).
+var DefaultSizes = []int{1, 64, 256, 1024, 4096, 16384}
+
+// QuickSizes are the sizes of --quick runs.
+var QuickSizes = []int{64, 16384}
+
+// ModeCapture reports whether mode sends traffic through the sidecars.
+func ModeCapture(mode string) bool {
+	return mode == ModeSidecar || mode == ModeSidecarMeshwarp
+}
+
+// ModeAgent reports whether mode attaches the agent.
+func ModeAgent(mode string) bool { return strings.HasSuffix(mode, "+meshwarp") }
+
+// Options configure a bench run.
+type Options struct {
+	Duration time.Duration // per fortio run
+	// QperfDuration is the time of one qperf test at one size, and of one
+	// unix floor measurement (latency or stream) at one size.
+	QperfDuration time.Duration
+	Repeat        int
+	Modes         []string
+	Workloads     []string
+	Sizes         []int
+	Connections   int
+	PayloadBytes  int
+	Quick         bool
+
+	// KeepLab keeps a lab that bench brought up itself.
+	KeepLab bool
+	// PinDir is where the bench agent pins its maps.
+	PinDir string
+
+	// WorkerCommand is the program and leading arguments that start a
+	// worker; "--spec JSON" is appended and MESHWARP_BENCH_REEXEC=worker is
+	// set. Default: this executable, "bench worker".
+	WorkerCommand []string
+
+	Logger *slog.Logger
+}
+
+// QuickOptions returns the --quick settings: every mode and workload, 1 s
+// runs, one repeat, two message sizes.
+func QuickOptions() Options {
+	return Options{
+		Duration:      time.Second,
+		QperfDuration: time.Second,
+		Repeat:        1,
+		Sizes:         append([]int(nil), QuickSizes...),
+		Quick:         true,
+	}
+}
+
+// Normalize fills defaults and validates; errors are usage errors.
+func (o *Options) Normalize() error {
+	if o.Duration == 0 {
+		o.Duration = DefaultDuration
+	}
+	if o.QperfDuration == 0 {
+		o.QperfDuration = min(max(o.Duration, time.Second), 3*time.Second).Round(time.Second)
+	}
+	if o.Repeat == 0 {
+		o.Repeat = DefaultRepeat
+	}
+	if len(o.Modes) == 0 {
+		o.Modes = append([]string(nil), AllModes...)
+	}
+	if len(o.Workloads) == 0 {
+		o.Workloads = append([]string(nil), AllWorkloads...)
+	}
+	if len(o.Sizes) == 0 {
+		o.Sizes = append([]int(nil), DefaultSizes...)
+	}
+	if o.Connections == 0 {
+		o.Connections = DefaultConnections
+	}
+	if o.PayloadBytes == 0 {
+		o.PayloadBytes = DefaultPayloadBytes
+	}
+	if o.PinDir == "" {
+		o.PinDir = DefaultPinDir
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	var errs []error
+	if o.Duration < 100*time.Millisecond {
+		errs = append(errs, fmt.Errorf("--duration %v: must be at least 100ms", o.Duration))
+	}
+	if o.QperfDuration < time.Second {
+		errs = append(errs, fmt.Errorf("qperf duration %v: must be at least 1s (qperf counts whole seconds)", o.QperfDuration))
+	}
+	if o.Repeat < 1 {
+		errs = append(errs, fmt.Errorf("--repeat %d: must be at least 1", o.Repeat))
+	}
+	if o.Connections < 1 {
+		errs = append(errs, fmt.Errorf("--connections %d: must be at least 1", o.Connections))
+	}
+	for _, m := range o.Modes {
+		if !slices.Contains(AllModes, m) {
+			errs = append(errs, fmt.Errorf("unknown mode %q (want one of %s)", m, strings.Join(AllModes, ", ")))
+		}
+	}
+	for _, w := range o.Workloads {
+		if !slices.Contains(AllWorkloads, w) {
+			errs = append(errs, fmt.Errorf("unknown workload %q (want one of %s)", w, strings.Join(AllWorkloads, ", ")))
+		}
+	}
+	for _, s := range o.Sizes {
+		if s < 1 || s > 1<<20 {
+			errs = append(errs, fmt.Errorf("message size %d: must be 1..1048576", s))
+		}
+	}
+	o.Modes = dedup(o.Modes)
+	o.Workloads = dedup(o.Workloads)
+	o.Sizes = dedup(o.Sizes)
+	slices.Sort(o.Sizes)
+	return errors.Join(errs...)
+}
+
+func dedup[T comparable](xs []T) []T {
+	var out []T
+	for _, x := range xs {
+		if !slices.Contains(out, x) {
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
+// hasWorkload reports whether w is selected.
+func (o *Options) hasWorkload(w string) bool { return slices.Contains(o.Workloads, w) }

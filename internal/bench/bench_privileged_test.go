@@ -1,0 +1,219 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package bench_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/santhosh-tekuri/jsonschema/v6"
+
+	"github.com/meshwarp/meshwarp/internal/bench"
+	"github.com/meshwarp/meshwarp/internal/cli"
+	"github.com/meshwarp/meshwarp/internal/lab"
+	"github.com/meshwarp/meshwarp/internal/testutil"
+)
+
+// TestPrivilegedBenchQuick runs `meshwarp bench --quick` end to end through
+// the CLI against a real lab (brought up by bench when none is up), with the
+// real agent in the +meshwarp modes. The workers are this test binary
+// re-executed inside the client pod (bench's init hook dispatches them).
+// Set MESHWARP_KEEP_BENCH=DIR to keep the JSON, HTML and screenshot.
+func TestPrivilegedBenchQuick(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	for _, bin := range []string{"haproxy", "qperf", "iptables", "ip"} {
+		if _, err := exec.LookPath(bin); err != nil {
+			t.Fatalf("%s not installed: run scripts/install-deps.sh", bin)
+		}
+	}
+	labWasUp := false
+	if l, err := lab.Load(); err == nil {
+		labWasUp = true
+		l.Close()
+		t.Log("a lab is already up: bench uses it and must leave it up")
+	} else if left := lab.Leftovers(); len(left) > 0 {
+		t.Fatalf("leftovers of an earlier lab (run `meshwarp lab down`): %v", left)
+	}
+	if bench.PinDirLeft(bench.DefaultPinDir) {
+		t.Fatalf("%s exists before the test: run `meshwarp cleanup --pin-dir %s`", bench.DefaultPinDir, bench.DefaultPinDir)
+	}
+
+	dir := os.Getenv("MESHWARP_KEEP_BENCH")
+	if dir == "" {
+		dir = t.TempDir()
+	}
+	jsonPath := filepath.Join(dir, "bench.json")
+	htmlPath := filepath.Join(dir, "bench.html")
+
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	root := cli.NewRootCommand()
+	var stdout, stderr bytes.Buffer
+	root.SetOut(&stdout)
+	root.SetErr(&stderr)
+	root.SetArgs([]string{"bench", "--quick", "--json", jsonPath, "--html", htmlPath})
+	start := time.Now()
+	err := root.ExecuteContext(ctx)
+	t.Logf("bench --quick took %v\n%s", time.Since(start).Round(time.Second), stdout.String())
+	if err != nil {
+		t.Fatalf("bench --quick: %v\nstderr:\n%s", err, stderr.String())
+	}
+
+	// nothing left behind: agent pins, and the lab if bench brought it up
+	if bench.PinDirLeft(bench.DefaultPinDir) {
+		t.Errorf("agent pins left in %s", bench.DefaultPinDir)
+	}
+	if labWasUp {
+		if _, err := lab.Load(); err != nil {
+			t.Errorf("the lab that was up is gone: %v", err)
+		}
+	} else if left := lab.Leftovers(); len(left) > 0 {
+		t.Errorf("bench left lab pieces behind: %v", left)
+	}
+	if procs := workerProcesses(t); len(procs) > 0 {
+		t.Errorf("worker processes left: %v", procs)
+	}
+
+	doc, err := os.ReadFile(jsonPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sch, err := jsonschema.NewCompiler().Compile("../../docs/bench-schema.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst, err := jsonschema.UnmarshalJSON(bytes.NewReader(doc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sch.Validate(inst); err != nil {
+		t.Fatalf("bench JSON does not follow docs/bench-schema.json: %v", err)
+	}
+	var rep bench.Report
+	if err := json.Unmarshal(doc, &rep); err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Failures) > 0 {
+		t.Errorf("failed runs: %v", rep.Failures)
+	}
+	for _, n := range rep.Notes {
+		t.Logf("note: %s", n)
+	}
+	checkQuickResults(t, &rep)
+
+	// the page of a real run opens and draws in Chromium too
+	bench.RequireChromium(t)
+	shot := bench.CheckHTMLInChromium(t, htmlPath, os.Getenv("MESHWARP_KEEP_BENCH"))
+	t.Logf("screenshot %s", shot)
+}
+
+func checkQuickResults(t *testing.T, rep *bench.Report) {
+	t.Helper()
+	if got := rep.Config.Modes; !slices.Equal(got, bench.AllModes) {
+		t.Errorf("modes %v", got)
+	}
+	if got := rep.Config.Workloads; !slices.Equal(got, bench.AllWorkloads) {
+		t.Errorf("workloads %v", got)
+	}
+	positive := func(what string, v *float64) {
+		t.Helper()
+		if v == nil || *v <= 0 {
+			t.Errorf("%s: missing or zero", what)
+		}
+	}
+	redirected := 0.0
+	for _, m := range bench.AllModes {
+		for _, w := range []string{bench.WorkloadHTTP, bench.WorkloadTCP} {
+			r := rep.FindResult(m, w, 0)
+			if r == nil {
+				t.Errorf("no result for %s %s", m, w)
+				continue
+			}
+			positive(m+" "+w+" qps", r.QPS)
+			positive(m+" "+w+" cpu", r.CPUSecondsPer1kRequests)
+			if r.LatencyUS == nil || r.Histogram == nil {
+				t.Errorf("%s %s: no latency or histogram", m, w)
+			} else {
+				positive(m+" "+w+" p50", r.LatencyUS.P50)
+				positive(m+" "+w+" p99", r.LatencyUS.P99)
+			}
+			if bench.ModeAgent(m) {
+				if r.Hops == nil {
+					t.Errorf("%s %s: no hop counters", m, w)
+				} else {
+					redirected += r.Hops.RedirectedMessages
+					t.Logf("%s %s: accelerated hops %v, %.0f redirected, %.0f passthrough", m, w, r.Hops.Accelerated, r.Hops.RedirectedMessages, r.Hops.PassthroughMessages)
+				}
+			}
+		}
+		// qperf: every mode qperf ran in (direct modes at least; capture
+		// modes unless a note says qperf cannot pass the sidecars)
+		if !bench.ModeCapture(m) && !slices.Contains(rep.Config.QperfModes, m) {
+			t.Errorf("qperf did not run in %s", m)
+		}
+		if !slices.Contains(rep.Config.QperfModes, m) {
+			if len(rep.Notes) == 0 {
+				t.Errorf("qperf skipped %s without a note", m)
+			}
+			continue
+		}
+		for _, size := range rep.Config.SizesBytes {
+			r := rep.FindResult(m, bench.WorkloadQperf, size)
+			if r == nil {
+				t.Errorf("no qperf result for %s at %d bytes", m, size)
+				continue
+			}
+			positive(m+" qperf bandwidth", r.BandwidthMBps)
+			if r.LatencyUS == nil {
+				t.Errorf("%s qperf %d: no latency", m, size)
+			} else {
+				positive(m+" qperf latency", r.LatencyUS.Avg)
+			}
+		}
+	}
+	for _, size := range rep.Config.SizesBytes {
+		r := rep.FindResult(bench.ModeFloor, bench.WorkloadUnix, size)
+		if r == nil {
+			t.Errorf("no unix floor at %d bytes", size)
+			continue
+		}
+		positive("unix bandwidth", r.BandwidthMBps)
+		positive("unix latency", r.LatencyUS.Avg)
+	}
+	if redirected == 0 {
+		t.Error("the agent redirected no message in any +meshwarp run: was it attached to the lab cgroup?")
+	}
+	if r := rep.FindRatio(bench.ModeSidecarMeshwarp, bench.ModeSidecar, bench.WorkloadHTTP, 0); r == nil {
+		t.Error("no sidecar+meshwarp vs sidecar ratio")
+	}
+}
+
+// workerProcesses lists running bench workers (their environment carries
+// MESHWARP_BENCH_REEXEC=worker).
+func workerProcesses(t *testing.T) []string {
+	t.Helper()
+	var out []string
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		env, err := os.ReadFile(filepath.Join("/proc", e.Name(), "environ"))
+		if err != nil {
+			continue
+		}
+		if bytes.Contains(env, []byte("MESHWARP_BENCH_REEXEC=worker")) {
+			cmd, _ := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+			out = append(out, e.Name()+": "+strings.ReplaceAll(string(cmd), "\x00", " "))
+		}
+	}
+	return out
+}

@@ -1,0 +1,149 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"os/exec"
+	"time"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/lab"
+)
+
+// labEnv adapts a running lab to Env.
+type labEnv struct{ l *lab.Lab }
+
+func (e labEnv) ServerIP() netip.Addr { return e.l.Server().IP }
+func (e labEnv) HTTPPort() int        { return lab.HTTPPort }
+func (e labEnv) TCPEchoPort() int     { return lab.TCPEchoPort }
+
+// QperfPorts: qperf's data connection uses a port of its own; the lab's
+// sidecars route any original destination port (HAProxy dst_port), so an
+// ephemeral data port works through them too.
+func (e labEnv) QperfPorts() (int, int) { return lab.QperfPort, 0 }
+
+func (e labEnv) ClientCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
+	return e.l.Command(ctx, e.l.Client(), name, args...)
+}
+func (e labEnv) SetCapture(on bool) error                  { return e.l.SetCapture(on) }
+func (e labEnv) RestartSidecars(ctx context.Context) error { return e.l.RestartSidecars(ctx) }
+func (e labEnv) CgroupPath() string                        { return e.l.CgroupPath() }
+
+// LabSession is a lab for one bench run: the one already up (used and left
+// as found, capture setting included), or one that bench brought up itself
+// and takes down in Close unless kept.
+type LabSession struct {
+	Lab *lab.Lab
+	// BroughtUp is true when bench started the lab.
+	BroughtUp   bool
+	keep        bool
+	origCapture bool
+	logger      *slog.Logger
+}
+
+// OpenLab uses the running lab or, when none is up, brings one up.
+func OpenLab(ctx context.Context, keep bool, logger *slog.Logger) (*LabSession, error) {
+	l, err := lab.Load()
+	if err == nil {
+		return &LabSession{Lab: l, origCapture: l.Capture(), logger: logger}, nil
+	}
+	if !errors.Is(err, lab.ErrNotUp) {
+		return nil, fmt.Errorf("use the running lab: %w", err)
+	}
+	l, err = lab.Up(ctx, lab.Options{Pods: lab.DefaultPods, SidecarUID: SidecarUID, Capture: true}, logger)
+	if err != nil {
+		// lab.Up may have left a half-built lab: take it down again.
+		if derr := downLab(logger); derr != nil {
+			err = errors.Join(err, derr)
+		}
+		return nil, fmt.Errorf("bring up the lab: %w", err)
+	}
+	return &LabSession{Lab: l, BroughtUp: true, keep: keep, origCapture: true, logger: logger}, nil
+}
+
+// Env returns the lab as a bench Env.
+func (s *LabSession) Env() Env { return labEnv{s.Lab} }
+
+// Close leaves the lab as it was found: a lab bench brought up is taken down
+// (unless kept), a lab that was already up gets its capture setting back.
+// Safe to call twice.
+func (s *LabSession) Close() error {
+	if s == nil || s.Lab == nil {
+		return nil
+	}
+	var errs []error
+	if !s.BroughtUp || s.keep {
+		if s.Lab.Capture() != s.origCapture {
+			if err := s.Lab.SetCapture(s.origCapture); err != nil {
+				errs = append(errs, fmt.Errorf("restore lab capture: %w", err))
+			}
+		}
+	}
+	errs = append(errs, s.Lab.Close())
+	if s.BroughtUp && !s.keep {
+		errs = append(errs, downLab(s.logger))
+	}
+	s.Lab = nil
+	return errors.Join(errs...)
+}
+
+func downLab(logger *slog.Logger) error {
+	// Runs also after Ctrl-C: the caller's context is already done.
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	if err := lab.Down(ctx, logger); err != nil {
+		return fmt.Errorf("take the lab down: %w", err)
+	}
+	return nil
+}
+
+// accelAgent adapts accel.Agent.
+type accelAgent struct{ a *accel.Agent }
+
+// StartAccel is the StartAgentFunc of the real agent.
+func StartAccel(logger *slog.Logger) StartAgentFunc {
+	return func(cgroupPath, pinDir string) (Agent, error) {
+		a, err := accel.Start(accel.Config{CgroupPath: cgroupPath, PinDir: pinDir, SidecarUID: SidecarUID}, logger)
+		if err != nil {
+			return nil, err
+		}
+		return accelAgent{a}, nil
+	}
+}
+
+func (x accelAgent) Counters() (AgentCounters, error) {
+	st, err := x.a.Stats()
+	if err != nil {
+		return AgentCounters{}, err
+	}
+	c := AgentCounters{
+		PairedSockets:       st.PairedSockets,
+		RedirectedMessages:  st.RedirectedMessages,
+		RedirectedBytes:     st.RedirectedBytes,
+		PassthroughMessages: st.PassthroughMessages,
+		PassthroughBytes:    st.PassthroughBytes,
+		PassthroughByReason: st.PassthroughByReason,
+		Hops:                map[string]HopCounters{},
+	}
+	for k, h := range st.Hops {
+		c.Hops[k] = HopCounters{PairedConnections: h.PairedConnections, RedirectedMessages: h.RedirectedMessages, RedirectedBytes: h.RedirectedBytes}
+	}
+	return c, nil
+}
+
+func (x accelAgent) Uninstall() error {
+	_, err := x.a.Uninstall()
+	return err
+}
+
+// PinDirLeft reports whether the bench pin directory still exists.
+func PinDirLeft(pinDir string) bool {
+	_, err := os.Stat(pinDir)
+	return err == nil
+}

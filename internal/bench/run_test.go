@@ -1,0 +1,257 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"fortio.org/fortio/fhttp"
+	"fortio.org/fortio/fnet"
+
+	"github.com/meshwarp/meshwarp/internal/probe"
+)
+
+// loopEnv is a "lab" on loopback: the worker runs as a plain child process
+// of the test binary (no namespace), against fortio servers and a qperf
+// server on 127.0.0.1. It records what the orchestrator asks for.
+type loopEnv struct {
+	mu       sync.Mutex
+	httpPort int
+	tcpPort  int
+	qperf    int
+	cgroup   string
+	calls    []string
+}
+
+func (e *loopEnv) record(s string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.calls = append(e.calls, s)
+}
+func (e *loopEnv) ServerIP() netip.Addr     { return netip.MustParseAddr("127.0.0.1") }
+func (e *loopEnv) HTTPPort() int            { return e.httpPort }
+func (e *loopEnv) TCPEchoPort() int         { return e.tcpPort }
+func (e *loopEnv) QperfPorts() (int, int)   { return e.qperf, 0 }
+func (e *loopEnv) CgroupPath() string       { return e.cgroup }
+func (e *loopEnv) SetCapture(on bool) error { e.record(fmt.Sprintf("capture=%v", on)); return nil }
+func (e *loopEnv) RestartSidecars(context.Context) error {
+	e.record("restart-sidecars")
+	return nil
+}
+func (e *loopEnv) ClientCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
+	if name == "qperf" {
+		e.record("qperf")
+	} else {
+		e.record("worker")
+	}
+	return exec.CommandContext(ctx, name, args...)
+}
+
+// fakeAgent counts like an agent that redirects everything it sees.
+type fakeAgent struct {
+	mu          sync.Mutex
+	starts      int
+	uninstalls  int
+	attached    bool
+	reads       uint64
+	onFirstRead func()
+}
+
+func (f *fakeAgent) start(cgroupPath, pinDir string) (Agent, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.attached {
+		return nil, errors.New("agent started twice without uninstall")
+	}
+	f.starts++
+	f.attached = true
+	return f, nil
+}
+
+func (f *fakeAgent) Counters() (AgentCounters, error) {
+	f.mu.Lock()
+	f.reads++
+	n := f.reads
+	hook := f.onFirstRead
+	f.onFirstRead = nil
+	f.mu.Unlock()
+	if hook != nil {
+		hook()
+	}
+	return AgentCounters{
+		RedirectedMessages: n * 100,
+		Hops:               map[string]HopCounters{"direct": {PairedConnections: n, RedirectedMessages: n * 100}},
+	}, nil
+}
+
+func (f *fakeAgent) Uninstall() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.uninstalls++
+	f.attached = false
+	return nil
+}
+
+func ownCgroupDir(t *testing.T) string {
+	t.Helper()
+	root, err := probe.Cgroup2Root()
+	if err != nil {
+		t.Skipf("no cgroup v2: %v", err)
+	}
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		t.Skip(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "0::"); ok {
+			dir := filepath.Join(root, rest)
+			if _, err := CgroupCPUSeconds(dir); err != nil {
+				t.Skipf("cannot read cpu.stat of own cgroup: %v", err)
+			}
+			return dir
+		}
+	}
+	t.Skip("no cgroup v2 entry in /proc/self/cgroup")
+	return ""
+}
+
+func newLoopEnv(t *testing.T) *loopEnv {
+	t.Helper()
+	_, haddr := fhttp.Serve("127.0.0.1:0", "/debug")
+	taddr := fnet.TCPEchoServer("bench-run-tcp", "127.0.0.1:0")
+	if haddr == nil || taddr == nil {
+		t.Fatal("cannot start fortio servers on loopback")
+	}
+	e := &loopEnv{httpPort: haddr.(*net.TCPAddr).Port, tcpPort: taddr.(*net.TCPAddr).Port, cgroup: ownCgroupDir(t)}
+	if _, err := exec.LookPath("qperf"); err == nil {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.qperf = l.Addr().(*net.TCPAddr).Port
+		l.Close()
+		srv := exec.Command("qperf", "-lp", fmt.Sprint(e.qperf))
+		if err := srv.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
+	}
+	return e
+}
+
+// TestRunOnLoopback drives the whole orchestration (modes interleaved,
+// agent attached per mode, workers re-executed, qperf parsed, report built)
+// with everything on loopback instead of the lab.
+func TestRunOnLoopback(t *testing.T) {
+	env := newLoopEnv(t)
+	agent := &fakeAgent{}
+	opts := Options{
+		Duration: 200 * time.Millisecond, QperfDuration: time.Second, Repeat: 2, Connections: 4,
+		Workloads: []string{WorkloadHTTP, WorkloadTCP, WorkloadUnix}, Sizes: []int{64},
+	}
+	rep, err := Run(context.Background(), opts, env, agent.start, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Failures) > 0 {
+		t.Fatalf("failures: %v", rep.Failures)
+	}
+	if agent.starts != 4 || agent.uninstalls != 4 {
+		t.Errorf("agent started %d, uninstalled %d times; want 4 and 4 (2 +meshwarp modes x 2 repeats)", agent.starts, agent.uninstalls)
+	}
+	// interleaving: one capture switch per mode, in order, per repeat
+	var captures []string
+	for _, c := range env.calls {
+		if strings.HasPrefix(c, "capture=") || c == "restart-sidecars" {
+			captures = append(captures, c)
+		}
+	}
+	one := []string{"capture=false", "capture=true", "restart-sidecars", "capture=true", "restart-sidecars", "capture=false"}
+	want := strings.Join(append(append([]string{}, one...), one...), " ")
+	if got := strings.Join(captures, " "); got != want {
+		t.Errorf("mode switches\n got %s\nwant %s", got, want)
+	}
+	for _, m := range AllModes {
+		for _, w := range []string{WorkloadHTTP, WorkloadTCP} {
+			r := rep.FindResult(m, w, 0)
+			if r == nil || r.QPS == nil || *r.QPS <= 0 || r.Repeats != 2 {
+				t.Fatalf("%s %s: %+v", m, w, r)
+			}
+			if (r.Hops != nil) != ModeAgent(m) {
+				t.Errorf("%s %s: hops %+v", m, w, r.Hops)
+			}
+		}
+	}
+	if r := rep.FindResult(ModeSidecarMeshwarp, WorkloadHTTP, 0); r.Hops == nil || r.Hops.RedirectedMessages != 100 || r.Hops.Accelerated[0] != "direct" {
+		t.Errorf("hop delta %+v", r.Hops)
+	}
+	if r := rep.FindResult(ModeFloor, WorkloadUnix, 64); r == nil || r.Repeats != 2 {
+		t.Errorf("floor %+v", r)
+	}
+	if r := rep.FindRatio(ModeDirect, ModeSidecar, WorkloadTCP, 0); r == nil || r.Pairs != 2 {
+		t.Errorf("ratio %+v", r)
+	}
+}
+
+// TestRunQperfOnLoopback runs qperf as the bench does (tcp_lat and tcp_bw
+// per size, -uu -v output parsed) against a qperf server on loopback.
+func TestRunQperfOnLoopback(t *testing.T) {
+	env := newLoopEnv(t)
+	if env.qperf == 0 {
+		t.Skip("qperf not installed (scripts/install-deps.sh installs it)")
+	}
+	agent := &fakeAgent{}
+	opts := Options{QperfDuration: time.Second, Repeat: 1, Workloads: []string{WorkloadQperf},
+		Modes: []string{ModeDirectMeshwarp}, Sizes: []int{1, 4096}}
+	rep, err := Run(context.Background(), opts, env, agent.start, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Failures) > 0 {
+		t.Fatalf("failures: %v", rep.Failures)
+	}
+	for _, size := range opts.Sizes {
+		r := rep.FindResult(ModeDirectMeshwarp, WorkloadQperf, size)
+		if r == nil || r.BandwidthMBps == nil || *r.BandwidthMBps <= 0 || r.LatencyUS == nil || r.LatencyUS.Avg == nil || r.QPS == nil || r.Hops == nil {
+			t.Fatalf("qperf %d: %+v", size, r)
+		}
+		if r.CPUSecondsPer1kRequests == nil || r.CPUSecondsPerGB == nil {
+			t.Errorf("qperf %d: no cpu figures (cgroup %s)", size, env.cgroup)
+		}
+	}
+	if agent.uninstalls != 1 {
+		t.Errorf("uninstalls %d", agent.uninstalls)
+	}
+}
+
+// TestRunInterruptedUninstallsAgent: cancelling in the middle of a
+// +meshwarp mode stops the bench and still uninstalls the agent.
+func TestRunInterruptedUninstallsAgent(t *testing.T) {
+	env := newLoopEnv(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	agent := &fakeAgent{onFirstRead: cancel}
+	opts := Options{Duration: time.Second, Repeat: 1, Connections: 2, Workloads: []string{WorkloadHTTP},
+		Modes: []string{ModeSidecarMeshwarp, ModeSidecar}}
+	_, err := Run(ctx, opts, env, agent.start, nil)
+	if err == nil || !strings.Contains(err.Error(), "interrupted") {
+		t.Fatalf("Run = %v, want interrupted", err)
+	}
+	if agent.starts != 1 || agent.uninstalls != 1 {
+		t.Errorf("agent started %d, uninstalled %d", agent.starts, agent.uninstalls)
+	}
+	if n := strings.Count(strings.Join(env.calls, " "), "capture="); n != 1 {
+		t.Errorf("modes after the interruption ran: %v", env.calls)
+	}
+}
