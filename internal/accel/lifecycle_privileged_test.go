@@ -7,9 +7,11 @@ import (
 	"bytes"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"syscall"
@@ -197,8 +199,9 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	if !pinned(pinDir) {
 		t.Fatal("--keep-on-exit removed the pins")
 	}
-	agent3 := startAgentProc(t, cgroup, pinDir)
+	agent3 := startAgentProc(t, cgroup, pinDir, "--metrics-addr", "127.0.0.1:0")
 	checkNewConnections(t, dial, "after upgrade")
+	checkMetrics(t, agent3)
 
 	// 4. SIGTERM: uninstall while the streams still run.
 	if code := agent3.stop(t, syscall.SIGTERM); code != 0 {
@@ -208,6 +211,22 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 		t.Fatalf("SIGTERM left %s behind", pinDir)
 	}
 	checkNewConnections(t, dial, "after uninstall")
+
+	// 5. `meshwarp cleanup` of an agent that was killed, still under load.
+	agent4 := startAgentProc(t, cgroup, pinDir)
+	agent4.stop(t, syscall.SIGKILL)
+	out, err := exec.Command(meshwarpBinary(t), "cleanup", "--pin-dir", pinDir).CombinedOutput()
+	if err != nil {
+		t.Fatalf("meshwarp cleanup: %v\n%s", err, out)
+	}
+	if _, err := os.Stat(pinDir); !os.IsNotExist(err) {
+		t.Fatalf("cleanup left %s behind:\n%s", pinDir, out)
+	}
+	out, err = exec.Command(meshwarpBinary(t), "cleanup", "--pin-dir", pinDir).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "nothing to clean") {
+		t.Fatalf("a second cleanup should be harmless: %v\n%s", err, out)
+	}
+	checkNewConnections(t, dial, "after cleanup")
 
 	close(stop)
 	res := <-streams
@@ -220,6 +239,31 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	t.Logf("100 streams survived kill/restart/upgrade/uninstall: %d bytes echoed intact", res.BytesEcho)
 	if out := testutil.Run(t, "bpftool", "cgroup", "show", cgroup); strings.Contains(out, "sock_ops") {
 		t.Fatalf("sock_ops still attached to %s:\n%s", cgroup, out)
+	}
+}
+
+// checkMetrics scrapes the agent's /metrics (address from its log) and
+// checks that the redirect counters are exported and non-zero.
+func checkMetrics(t *testing.T, p *agentProc) {
+	t.Helper()
+	m := regexp.MustCompile(`msg="serving metrics".* addr=(\S+)`).FindStringSubmatch(p.stderr.String())
+	if m == nil {
+		t.Fatalf("agent did not log its metrics address:\n%s", p.stderr.String())
+	}
+	resp, err := http.Get("http://" + m[1] + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	v := regexp.MustCompile(`(?m)^meshwarp_accel_redirected_bytes_total (\S+)$`).FindSubmatch(body)
+	if v == nil || string(v[1]) == "0" {
+		t.Fatalf("meshwarp_accel_redirected_bytes_total missing or zero:\n%s", body)
+	}
+	for _, name := range []string{"meshwarp_accel_sockets ", "meshwarp_build_info{", "meshwarp_accel_sockhash_full_total ", `meshwarp_accel_passthrough_messages_total{reason="no_peer"}`} {
+		if !bytes.Contains(body, []byte(name)) {
+			t.Errorf("/metrics lacks %s", name)
+		}
 	}
 }
 
