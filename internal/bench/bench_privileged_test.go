@@ -49,6 +49,8 @@ func TestPrivilegedBenchQuick(t *testing.T) {
 	dir := os.Getenv("MESHWARP_KEEP_BENCH")
 	if dir == "" {
 		dir = t.TempDir()
+	} else if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
 	}
 	jsonPath := filepath.Join(dir, "bench.json")
 	htmlPath := filepath.Join(dir, "bench.html")

@@ -154,6 +154,8 @@ func TestPrivilegedHTMLReport(t *testing.T) {
 	dir := keep
 	if dir == "" {
 		dir = t.TempDir()
+	} else if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
 	}
 	page := filepath.Join(dir, "bench-report.html")
 	if err := fixtureReport(t).WriteHTMLFile(page); err != nil {

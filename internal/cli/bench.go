@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -157,6 +158,16 @@ func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
 	opts.Logger = logger
 	if err := opts.Normalize(); err != nil {
 		return withExit(ExitUsage, err)
+	}
+	// A bench takes minutes: refuse an output path that cannot be written
+	// before running it, not after.
+	for _, p := range []string{f.jsonPath, f.htmlPath} {
+		if p == "" {
+			continue
+		}
+		if st, err := os.Stat(filepath.Dir(p)); err != nil || !st.IsDir() {
+			return withExit(ExitUsage, fmt.Errorf("cannot write %s: directory %s does not exist", p, filepath.Dir(p)))
+		}
 	}
 	if os.Geteuid() != 0 {
 		return withExit(ExitNotReady, errors.New("bench needs root (it builds network namespaces, iptables rules and attaches BPF programs): run it with sudo"))
