@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/netip"
 	"os"
@@ -45,16 +46,27 @@ type LabSession struct {
 	keep        bool
 	origCapture bool
 	logger      *slog.Logger
+	status      io.Writer
 }
 
-// OpenLab uses the running lab or, when none is up, brings one up.
-func OpenLab(ctx context.Context, keep bool, logger *slog.Logger) (*LabSession, error) {
+// OpenLab uses the running lab or, when none is up, brings one up. It says
+// which on status (nil: silent).
+func OpenLab(ctx context.Context, keep bool, logger *slog.Logger, status io.Writer) (*LabSession, error) {
+	if status == nil {
+		status = io.Discard
+	}
 	l, err := lab.Load()
 	if err == nil {
-		return &LabSession{Lab: l, origCapture: l.Capture(), logger: logger}, nil
+		fmt.Fprintln(status, "bench: using the lab that is up (left as found)")
+		return &LabSession{Lab: l, origCapture: l.Capture(), logger: logger, status: status}, nil
 	}
 	if !errors.Is(err, lab.ErrNotUp) {
 		return nil, fmt.Errorf("use the running lab: %w", err)
+	}
+	if keep {
+		fmt.Fprintln(status, "bench: no lab is up: bringing one up (kept at the end: --keep-lab)")
+	} else {
+		fmt.Fprintln(status, "bench: no lab is up: bringing one up (taken down at the end)")
 	}
 	l, err = lab.Up(ctx, lab.Options{Pods: lab.DefaultPods, SidecarUID: SidecarUID, Capture: true}, logger)
 	if err != nil {
@@ -64,7 +76,7 @@ func OpenLab(ctx context.Context, keep bool, logger *slog.Logger) (*LabSession, 
 		}
 		return nil, fmt.Errorf("bring up the lab: %w", err)
 	}
-	return &LabSession{Lab: l, BroughtUp: true, keep: keep, origCapture: true, logger: logger}, nil
+	return &LabSession{Lab: l, BroughtUp: true, keep: keep, origCapture: true, logger: logger, status: status}, nil
 }
 
 // Env returns the lab as a bench Env.
@@ -87,6 +99,7 @@ func (s *LabSession) Close() error {
 	}
 	errs = append(errs, s.Lab.Close())
 	if s.BroughtUp && !s.keep {
+		fmt.Fprintln(s.status, "bench: taking the lab down")
 		errs = append(errs, downLab(s.logger))
 	}
 	s.Lab = nil

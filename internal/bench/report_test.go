@@ -207,6 +207,21 @@ func TestReportTable(t *testing.T) {
 		}
 	}
 	t.Log("\n" + out)
+
+	// one repeat: no spread columns
+	rep.Config.Repeat = 1
+	buf.Reset()
+	rep.WriteTable(&buf)
+	if strings.Contains(buf.String(), "[min..max]") {
+		t.Errorf("spread shown for a single repeat:\n%s", buf.String())
+	}
+	for _, tb := range rep.Tables() {
+		for _, row := range tb.Rows {
+			if len(row) != len(tb.Head) {
+				t.Fatalf("%s: row %v has %d cells for %d columns", tb.Title, row, len(row), len(tb.Head))
+			}
+		}
+	}
 }
 
 func TestNormalizeRejects(t *testing.T) {

@@ -161,9 +161,9 @@ func (r *runner) estimate(workload string) time.Duration {
 	n := time.Duration(len(r.opts.Sizes))
 	switch workload {
 	case WorkloadHTTP, WorkloadTCP:
-		return r.opts.Duration + 1500*time.Millisecond
+		return r.opts.Duration + 300*time.Millisecond
 	case WorkloadQperf:
-		return n * 2 * (q + 300*time.Millisecond)
+		return n * 2 * (q + 250*time.Millisecond)
 	case WorkloadUnix:
 		return n*2*q + 300*time.Millisecond
 	}
@@ -179,7 +179,7 @@ func (r *runner) plan() (int, time.Duration) {
 				steps++
 				total += r.estimate(w)
 			}
-			total += time.Second // capture switch, sidecar restart, agent
+			total += 500 * time.Millisecond // capture switch, sidecar restart, agent
 		}
 		if r.opts.hasWorkload(WorkloadUnix) {
 			steps++

@@ -93,7 +93,32 @@ func (r *Report) Tables() []Table {
 	if slices.Contains(c.Workloads, WorkloadQperf) || slices.Contains(c.Workloads, WorkloadUnix) {
 		out = append(out, r.sizeTable())
 	}
+	if c.Repeat < 2 {
+		// one repeat has no spread
+		for i := range out {
+			out[i] = dropColumn(out[i], "[min..max]")
+		}
+	}
 	return out
+}
+
+func dropColumn(t Table, name string) Table {
+	keep := func(row []string) []string {
+		var out []string
+		for i, c := range row {
+			if i < len(t.Head) && t.Head[i] == name {
+				continue
+			}
+			out = append(out, c)
+		}
+		return out
+	}
+	rows := make([][]string, len(t.Rows))
+	for i, r := range t.Rows {
+		rows[i] = keep(r)
+	}
+	t.Head, t.Rows = keep(t.Head), rows
+	return t
 }
 
 func (r *Report) fortioTable(wl string) Table {

@@ -180,17 +180,9 @@ func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
 
 	ctx := cmd.Context()
 	stderr := cmd.ErrOrStderr()
-	session, err := bench.OpenLab(ctx, opts.KeepLab, logger)
+	session, err := bench.OpenLab(ctx, opts.KeepLab, logger, stderr)
 	if err != nil {
 		return withExit(ExitNotReady, err)
-	}
-	switch {
-	case session.BroughtUp && opts.KeepLab:
-		fmt.Fprintln(stderr, "bench: no lab was up: brought one up (kept at the end: --keep-lab)")
-	case session.BroughtUp:
-		fmt.Fprintln(stderr, "bench: no lab was up: brought one up (taken down at the end)")
-	default:
-		fmt.Fprintln(stderr, "bench: using the lab that is up (left as found)")
 	}
 	rep, runErr := bench.Run(ctx, opts, session.Env(), bench.StartAccel(logger), stderr)
 	closeErr := session.Close()
