@@ -29,7 +29,11 @@ type Table struct {
 // repeats, ratios = median of per-repeat ratios.
 func (r *Report) WriteTable(w io.Writer) error {
 	fmt.Fprintf(w, "meshwarp bench: %s, kernel %s, %d CPUs (%s), %s\n", r.Machine.Date, r.Machine.Kernel, r.Machine.CPUs, r.Machine.Model, r.Machine.MeshwarpVersion)
-	fmt.Fprintf(w, "median of %d repeat(s), modes interleaved; [min..max] over repeats; ratios = median of per-repeat ratios (latency: <1 is better; qps, bandwidth: >1 is better)\n", r.Config.Repeat)
+	if r.Config.Repeat > 1 {
+		fmt.Fprintf(w, "median of %d repeats, modes interleaved; [min..max] over repeats; ratios = median of per-repeat ratios (latency: <1 is better; qps, bandwidth: >1 is better)\n", r.Config.Repeat)
+	} else {
+		fmt.Fprintln(w, "one repeat (no spread: use --repeat 3 for medians); ratios: latency <1 is better; qps, bandwidth >1 is better")
+	}
 	for _, t := range r.Tables() {
 		fmt.Fprintf(w, "\n%s\n", t.Title)
 		for _, n := range t.Notes {
