@@ -362,6 +362,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	st->peer.role = MW_ROLE_ACTIVE;
 	st->hop = hop;
 	st->decision = MW_CONN_PAIRED;
+	st->paired = 1;
 	bpf_sock_ops_cb_flags_set(skops, BPF_SOCK_OPS_STATE_CB_FLAG);
 
 	cnt = counters();
@@ -380,7 +381,8 @@ static __always_inline void on_close(struct bpf_sock *sk)
 
 	if (!st)
 		return;
-	was_paired = st->decision == MW_CONN_PAIRED;
+	/* Not the current decision: it turns to PASSTHROUGH once the peer has closed. */
+	was_paired = st->paired;
 	if (st->owns_conn) {
 		struct mw_conn_id id = st->peer.conn;
 		struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &id);
@@ -449,6 +451,7 @@ static __always_inline void decide(struct mw_sk_state *st)
 	if (c->state == MW_CONN_PAIRED) {
 		st->decision = MW_CONN_PAIRED;
 		st->hop = c->hop;
+		st->paired = 1;
 		return;
 	}
 	st->decision = MW_CONN_PASSTHROUGH;

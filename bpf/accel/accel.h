@@ -92,7 +92,7 @@ struct mw_sk_state {
 	__u32 reason;
 	__u32 hop;
 	__u32 owns_conn; /* this socket created the mw_conns entry and deletes it on close */
-	__u32 _pad;
+	__u32 paired;    /* counted in sockets_paired; sticks when decision later changes */
 };
 
 /* Counters, one copy per CPU (summed by Go). Cumulative. */

@@ -71,7 +71,7 @@ type accelMwSkState struct {
 	Reason   uint32
 	Hop      uint32
 	OwnsConn uint32
-	Pad      uint32
+	Paired   uint32
 }
 
 type accelMwSockKey struct {

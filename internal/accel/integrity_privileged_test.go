@@ -5,6 +5,7 @@ package accel
 import (
 	"net"
 	"testing"
+	"time"
 
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
@@ -84,7 +85,25 @@ func TestPrivilegedIntegrityLoopback(t *testing.T) {
 				if s.RedirectedBytes == 0 || s.PairedSockets == 0 {
 					t.Fatalf("no acceleration happened: %+v", s)
 				}
+				waitNoAcceleratedSockets(t, a)
 			})
 		}
+	}
+}
+
+// waitNoAcceleratedSockets polls until every paired socket has been seen
+// closing (TCP state callbacks run as the FIN handshakes complete).
+func waitNoAcceleratedSockets(t *testing.T, a *Agent) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		s := stats(t, a)
+		if s.AcceleratedSockets == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("accelerated_sockets gauge stuck at %d after every connection closed (paired %d)", s.AcceleratedSockets, s.PairedSockets)
+		}
+		time.Sleep(20 * time.Millisecond) // polling interval, not synchronisation
 	}
 }
