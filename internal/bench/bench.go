@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -175,6 +176,28 @@ func (o *Options) Normalize() error {
 	o.Sizes = dedup(o.Sizes)
 	slices.Sort(o.Sizes)
 	return errors.Join(errs...)
+}
+
+// ParseSizes parses message sizes such as "64", "1K", "16k", "1M" (binary
+// prefixes, as qperf's msg_size).
+func ParseSizes(in []string) ([]int, error) {
+	var out []int
+	for _, s := range in {
+		s = strings.TrimSpace(s)
+		num, mult := s, 1
+		switch {
+		case strings.HasSuffix(s, "K"), strings.HasSuffix(s, "k"):
+			num, mult = s[:len(s)-1], 1024
+		case strings.HasSuffix(s, "M"), strings.HasSuffix(s, "m"):
+			num, mult = s[:len(s)-1], 1024*1024
+		}
+		n, err := strconv.Atoi(num)
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("--sizes: %q is not a message size (examples: 1, 64, 1K, 16K)", s)
+		}
+		out = append(out, n*mult)
+	}
+	return out, nil
 }
 
 func dedup[T comparable](xs []T) []T {

@@ -16,20 +16,19 @@ import (
 // progress draws a bar on a terminal (redrawn in place twice a second) or
 // prints one line per step when its writer is not a terminal (CI logs).
 type progress struct {
-	mu       sync.Mutex
-	w        io.Writer
-	tty      bool
-	total    time.Duration // estimated
-	done     time.Duration // estimate of finished steps
-	start    time.Time
-	step     int
-	steps    int
-	label    string
-	stepEst  time.Duration
-	stepT0   time.Time
-	stop     chan struct{}
-	stopped  chan struct{}
-	lastLine int
+	mu      sync.Mutex
+	w       io.Writer
+	tty     bool
+	total   time.Duration // estimated
+	done    time.Duration // estimate of finished steps
+	start   time.Time
+	step    int
+	steps   int
+	label   string
+	stepEst time.Duration
+	stepT0  time.Time
+	stop    chan struct{}
+	stopped chan struct{}
 }
 
 func newProgress(w io.Writer, steps int, total time.Duration) *progress {

@@ -5,6 +5,7 @@ package bench
 import (
 	"bytes"
 	"encoding/json"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -220,6 +221,18 @@ func TestReportTable(t *testing.T) {
 			if len(row) != len(tb.Head) {
 				t.Fatalf("%s: row %v has %d cells for %d columns", tb.Title, row, len(row), len(tb.Head))
 			}
+		}
+	}
+}
+
+func TestParseSizes(t *testing.T) {
+	got, err := ParseSizes([]string{"1", "64", " 1K", "16k", "1M"})
+	if err != nil || !slices.Equal(got, []int{1, 64, 1024, 16384, 1 << 20}) {
+		t.Fatalf("ParseSizes = %v, %v", got, err)
+	}
+	for _, bad := range []string{"", "K", "-1", "0", "1G", "12.5"} {
+		if _, err := ParseSizes([]string{bad}); err == nil {
+			t.Errorf("ParseSizes(%q) accepted", bad)
 		}
 	}
 }

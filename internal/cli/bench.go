@@ -10,7 +10,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -100,26 +99,6 @@ func newBenchWorkerCommand() *cobra.Command {
 	}
 }
 
-func parseSizes(in []string) ([]int, error) {
-	var out []int
-	for _, s := range in {
-		s = strings.TrimSpace(s)
-		mult := 1
-		switch {
-		case strings.HasSuffix(s, "K"), strings.HasSuffix(s, "k"):
-			mult, s = 1024, s[:len(s)-1]
-		case strings.HasSuffix(s, "M"):
-			mult, s = 1024*1024, s[:len(s)-1]
-		}
-		n, err := strconv.Atoi(s)
-		if err != nil {
-			return nil, fmt.Errorf("--sizes: %q is not a size", s)
-		}
-		out = append(out, n*mult)
-	}
-	return out, nil
-}
-
 func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
 	fl := cmd.Flags()
 	opts := bench.Options{}
@@ -136,7 +115,7 @@ func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
 		opts.Repeat = f.repeat
 	}
 	if fl.Changed("sizes") {
-		sizes, err := parseSizes(f.sizes)
+		sizes, err := bench.ParseSizes(f.sizes)
 		if err != nil {
 			return withExit(ExitUsage, err)
 		}
