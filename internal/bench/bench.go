@@ -85,6 +85,9 @@ type Options struct {
 	Connections   int
 	PayloadBytes  int
 	Quick         bool
+	// QperfLoopback runs qperf inside the server pod against 127.0.0.1
+	// (two sockets of one pod) instead of from the client pod.
+	QperfLoopback bool
 
 	// KeepLab keeps a lab that bench brought up itself.
 	KeepLab bool

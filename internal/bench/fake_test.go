@@ -21,3 +21,6 @@ func (fakeEnv) RestartSidecars(context.Context) error { return nil }
 func (fakeEnv) ClientCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
 	return exec.CommandContext(ctx, name, args...)
 }
+func (fakeEnv) ServerCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
+	return exec.CommandContext(ctx, name, args...)
+}

@@ -32,6 +32,9 @@ func (e labEnv) QperfPorts() (int, int) { return lab.QperfPort, 0 }
 func (e labEnv) ClientCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
 	return e.l.Command(ctx, e.l.Client(), name, args...)
 }
+func (e labEnv) ServerCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
+	return e.l.Command(ctx, e.l.Server(), name, args...)
+}
 func (e labEnv) SetCapture(on bool) error                  { return e.l.SetCapture(on) }
 func (e labEnv) RestartSidecars(ctx context.Context) error { return e.l.RestartSidecars(ctx) }
 func (e labEnv) CgroupPath() string                        { return e.l.CgroupPath() }

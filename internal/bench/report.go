@@ -114,6 +114,7 @@ type Config struct {
 	HTTPURL                string   `json:"http_url,omitempty"`
 	TCPTarget              string   `json:"tcp_target,omitempty"`
 	QperfTarget            string   `json:"qperf_target,omitempty"`
+	QperfLoopback          bool     `json:"qperf_loopback,omitempty"`
 	Quick                  bool     `json:"quick"`
 	Interleaving           string   `json:"interleaving"`
 	CPUAccounting          string   `json:"cpu_accounting"`

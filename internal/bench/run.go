@@ -32,6 +32,8 @@ type Env interface {
 	// ClientCommand runs name in the client pod's network namespace and in
 	// the lab cgroup.
 	ClientCommand(ctx context.Context, name string, args ...string) *exec.Cmd
+	// ServerCommand is ClientCommand in the server pod.
+	ServerCommand(ctx context.Context, name string, args ...string) *exec.Cmd
 	// SetCapture turns the sidecars' iptables capture on or off.
 	SetCapture(on bool) error
 	// RestartSidecars restarts the sidecar proxies (drops pooled connections).
@@ -422,7 +424,7 @@ func FortioSample(mode, workload string, rep int, res WorkerResult, cpuSeconds f
 
 func (r *runner) qperfArgs(test string, size int) []string {
 	listen, data := r.env.QperfPorts()
-	args := []string{r.env.ServerIP().String(), "-lp", strconv.Itoa(listen)}
+	args := []string{r.qperfHost().String(), "-lp", strconv.Itoa(listen)}
 	if data != 0 {
 		args = append(args, "-ip", strconv.Itoa(data))
 	}
@@ -430,12 +432,29 @@ func (r *runner) qperfArgs(test string, size int) []string {
 		"-m", strconv.Itoa(size), "-uu", "-v", test)
 }
 
+// qperfHost is the qperf server's address as the qperf client dials it.
+func (r *runner) qperfHost() netip.Addr {
+	if r.opts.QperfLoopback {
+		return netip.MustParseAddr("127.0.0.1")
+	}
+	return r.env.ServerIP()
+}
+
+// qperfCommand starts the qperf client: in the client pod, or for
+// --qperf-loopback in the server pod itself.
+func (r *runner) qperfCommand(ctx context.Context, args ...string) *exec.Cmd {
+	if r.opts.QperfLoopback {
+		return r.env.ServerCommand(ctx, "qperf", args...)
+	}
+	return r.env.ClientCommand(ctx, "qperf", args...)
+}
+
 // runQperfTest runs one qperf test at one size and returns its result and
 // the lab cgroup's CPU seconds over it.
 func (r *runner) runQperfTest(ctx context.Context, test string, size int) (QperfResult, float64, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.opts.QperfDuration+30*time.Second)
 	defer cancel()
-	cmd := r.env.ClientCommand(ctx, "qperf", r.qperfArgs(test, size)...)
+	cmd := r.qperfCommand(ctx, r.qperfArgs(test, size)...)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout = &stdout
 	cmd.Stderr = &tailWriter{buf: &stderr, max: 4096}
@@ -585,7 +604,8 @@ func (r *runner) config() Config {
 	}
 	if o.hasWorkload(WorkloadQperf) {
 		listen, _ := r.env.QperfPorts()
-		c.QperfTarget = netip.AddrPortFrom(r.env.ServerIP(), uint16(listen)).String()
+		c.QperfTarget = netip.AddrPortFrom(r.qperfHost(), uint16(listen)).String()
+		c.QperfLoopback = o.QperfLoopback
 		for _, m := range o.Modes {
 			if !(ModeCapture(m) && r.qperfCaptureBroken) {
 				c.QperfModes = append(c.QperfModes, m)

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -49,6 +50,13 @@ func (e *loopEnv) RestartSidecars(context.Context) error {
 	e.record("restart-sidecars")
 	return nil
 }
+
+// ServerCommand is used by --qperf-loopback; recorded like the client's qperf.
+func (e *loopEnv) ServerCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
+	e.record("server-" + name)
+	return exec.CommandContext(ctx, name, args...)
+}
+
 func (e *loopEnv) ClientCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
 	if name == "qperf" {
 		e.record("qperf")
@@ -253,5 +261,30 @@ func TestRunInterruptedUninstallsAgent(t *testing.T) {
 	}
 	if n := strings.Count(strings.Join(env.calls, " "), "capture="); n != 1 {
 		t.Errorf("modes after the interruption ran: %v", env.calls)
+	}
+}
+
+// TestRunQperfLoopbackUsesServerPod: --qperf-loopback runs the qperf client
+// in the server pod against 127.0.0.1 and says so in the report.
+func TestRunQperfLoopbackUsesServerPod(t *testing.T) {
+	env := newLoopEnv(t)
+	if env.qperf == 0 {
+		t.Skip("qperf not installed (scripts/install-deps.sh installs it)")
+	}
+	opts := Options{QperfDuration: time.Second, Repeat: 1, Workloads: []string{WorkloadQperf},
+		Modes: []string{ModeDirect}, Sizes: []int{64}, QperfLoopback: true}
+	rep, err := Run(context.Background(), opts, env, (&fakeAgent{}).start, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	calls := strings.Join(env.calls, " ")
+	if !strings.Contains(calls, "server-qperf") || slices.Contains(env.calls, "qperf") {
+		t.Fatalf("qperf client ran in the wrong pod: calls %s", calls)
+	}
+	if !rep.Config.QperfLoopback || !strings.HasPrefix(rep.Config.QperfTarget, "127.0.0.1:") {
+		t.Fatalf("config does not say loopback: %+v", rep.Config)
+	}
+	if r := rep.FindResult(ModeDirect, WorkloadQperf, 64); r == nil || r.LatencyUS == nil {
+		t.Fatalf("no qperf result: %+v", r)
 	}
 }

@@ -164,9 +164,9 @@ func (r *Report) sizeTable() Table {
 	t := Table{LeftColumns: 2}
 	switch {
 	case hasQperf && hasUnix:
-		t.Title = fmt.Sprintf("qperf tcp_lat / tcp_bw pod to pod (%gs per test and size); floor = AF_UNIX socketpair in the client pod", c.QperfDurationSeconds)
+		t.Title = fmt.Sprintf("qperf tcp_lat / tcp_bw %s (%gs per test and size); floor = AF_UNIX socketpair in the client pod", qperfWhere(c), c.QperfDurationSeconds)
 	case hasQperf:
-		t.Title = fmt.Sprintf("qperf tcp_lat / tcp_bw pod to pod (%gs per test and size)", c.QperfDurationSeconds)
+		t.Title = fmt.Sprintf("qperf tcp_lat / tcp_bw %s (%gs per test and size)", qperfWhere(c), c.QperfDurationSeconds)
 	default:
 		t.Title = fmt.Sprintf("AF_UNIX socketpair floor (%gs per test and size)", c.QperfDurationSeconds)
 	}
@@ -292,4 +292,12 @@ func sizeLabel(n int) string {
 		return fmt.Sprintf("%dK", n/1024)
 	}
 	return fmt.Sprintf("%dB", n)
+}
+
+// qperfWhere says which two sockets qperf measured.
+func qperfWhere(c Config) string {
+	if c.QperfLoopback {
+		return "over loopback inside the server pod"
+	}
+	return "pod to pod"
 }

@@ -22,6 +22,7 @@ import (
 type benchFlags struct {
 	duration      time.Duration
 	qperfDuration time.Duration
+	qperfLoopback bool
 	repeat        int
 	modes         []string
 	workloads     []string
@@ -71,6 +72,7 @@ that is already up is used and left as it was. Needs root.`,
 	fl.StringSliceVar(&f.workloads, "workloads", bench.AllWorkloads, "workloads: http, tcp, qperf, unix")
 	fl.StringSliceVar(&f.sizes, "sizes", nil, "qperf and unix message sizes (e.g. 1,64,256,1K,4K,16K; default those)")
 	fl.IntVar(&f.connections, "connections", bench.DefaultConnections, "fortio connections (http, tcp)")
+	fl.BoolVar(&f.qperfLoopback, "qperf-loopback", false, "run qperf between two sockets of the server pod over 127.0.0.1 (same netns) instead of pod to pod")
 	fl.BoolVar(&f.quick, "quick", false, "short CI run: 1s runs, 1 repeat, sizes 64 and 16K, every mode and workload")
 	fl.StringVar(&f.jsonPath, "json", "", "write the JSON report (docs/bench-schema.json) to `FILE`")
 	fl.StringVar(&f.htmlPath, "html", "", "write the self-contained HTML report to `FILE`")
@@ -126,6 +128,7 @@ func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
 	opts.Connections = f.connections
 	opts.KeepLab = f.keepLab
 	opts.PinDir = f.pinDir
+	opts.QperfLoopback = f.qperfLoopback
 
 	// The agent and lab log at info on every mode switch: keep the terminal
 	// to the progress bar and the table unless --debug.
