@@ -67,7 +67,7 @@ func ensureProxyUser(t *testing.T) {
 type istioPod struct {
 	ns        *testutil.Netns
 	statsSock string
-	proxyLog  *syncBuffer
+	proxyLog  *testutil.SyncBuffer
 }
 
 // istioTopology builds both pods, the veth between them and the capture
@@ -161,7 +161,7 @@ func startSidecar(t *testing.T, pod *istioPod) {
 	if err := os.WriteFile(cfg, []byte(sidecarConfig(pod.statsSock)), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	pod.proxyLog = &syncBuffer{}
+	pod.proxyLog = &testutil.SyncBuffer{}
 	cmd := exec.Command("ip", "netns", "exec", pod.ns.Name, "haproxy", "-f", cfg, "-db")
 	cmd.Stdout, cmd.Stderr = pod.proxyLog, pod.proxyLog
 	if err := cmd.Start(); err != nil {
@@ -403,22 +403,4 @@ func TestPrivilegedIstioCapture(t *testing.T) {
 			})
 		}
 	}
-}
-
-// syncBuffer collects a child's output for failure messages.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

@@ -52,25 +52,8 @@ func meshwarpBinary(t *testing.T) string {
 // agentProc is `meshwarp run` as a separate process.
 type agentProc struct {
 	cmd    *exec.Cmd
-	stderr *lockedBuffer
+	stderr *testutil.SyncBuffer
 	exited chan struct{} // closed once the process has been waited for
-}
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // startAgentProc runs meshwarp run and waits until it says it is attached
@@ -79,7 +62,7 @@ func startAgentProc(t *testing.T, cgroup, pinDir string, extra ...string) *agent
 	t.Helper()
 	args := append([]string{"run", "--cgroup", cgroup, "--pin-dir", pinDir, "--metrics-addr", ""}, extra...)
 	cmd := exec.Command(meshwarpBinary(t), args...)
-	p := &agentProc{cmd: cmd, stderr: &lockedBuffer{}, exited: make(chan struct{})}
+	p := &agentProc{cmd: cmd, stderr: &testutil.SyncBuffer{}, exited: make(chan struct{})}
 	pr, pw := io.Pipe()
 	cmd.Stderr = io.MultiWriter(p.stderr, pw)
 	if err := cmd.Start(); err != nil {

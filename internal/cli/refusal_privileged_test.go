@@ -11,8 +11,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -291,7 +291,7 @@ func TestPrivilegedRefusal(t *testing.T) {
 			t.Logf("meshwarp %s\nexit %d\nstderr: %s", strings.Join(args, " "), res.code, strings.TrimSpace(res.stderr))
 			if res.code == 0 {
 				t.Errorf("exit 0: want a refusal (exit %v)", c.codes)
-			} else if !containsInt(c.codes, res.code) {
+			} else if !slices.Contains(c.codes, res.code) {
 				t.Errorf("exit %d, want %v", res.code, c.codes)
 			}
 			low := strings.ToLower(res.stderr)
@@ -311,7 +311,7 @@ func TestPrivilegedRefusal(t *testing.T) {
 		args := []string{"run", "--cgroup", cg, "--pin-dir", pinDir, "--metrics-addr", "127.0.0.1:0"}
 		cmd := exec.Command(bin, args...)
 		cmd.Dir = "/"
-		var stderr lockedBuffer
+		var stderr testutil.SyncBuffer
 		cmd.Stderr = &stderr
 		cmd.Stdout = &stderr
 		if err := cmd.Start(); err != nil {
@@ -371,31 +371,4 @@ func TestPrivilegedRefusal(t *testing.T) {
 		}
 		assertNothingLeft(t, pinDir, cg)
 	})
-}
-
-func containsInt(l []int, v int) bool {
-	for _, x := range l {
-		if x == v {
-			return true
-		}
-	}
-	return false
-}
-
-// lockedBuffer is a bytes.Buffer safe for the writer goroutine of exec and a reader.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
