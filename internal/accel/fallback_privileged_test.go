@@ -141,3 +141,25 @@ func TestPrivilegedFallbackSpliceReceiverExcluded(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Invariant 4: a connection whose two ends cannot be proven to be a pair
+// (source NAT rewrites the address the server sees) stays on TCP, intact.
+func TestPrivilegedFallbackUnpairableSNAT(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	a := startAgent(t, Config{})
+	ns := testutil.NewNetns(t, "snat")
+	testutil.Run(t, "ip", "-n", ns.Name, "addr", "add", "127.0.0.9/8", "dev", "lo")
+	testutil.Run(t, "ip", "netns", "exec", ns.Name, "iptables", "-w", "-t", "nat", "-A", "POSTROUTING",
+		"-p", "tcp", "--dport", "7009", "-j", "SNAT", "--to-source", "127.0.0.9")
+	srv := testutil.ServeEcho(listenIn(t, ns, "127.0.0.1:7009"))
+	defer srv.Close()
+	if err := testutil.CheckIntegrity(dialIn(ns, "127.0.0.1:7009", ""), fallbackOpts).Err(); err != nil {
+		t.Fatal(err)
+	}
+	s := stats(t, a)
+	t.Logf("passthrough conns %v, redirected %d bytes", s.PassthroughConnections, s.RedirectedBytes)
+	if s.PassthroughConnections["addr_mismatch"] != uint64(fallbackOpts.Conns) || s.RedirectedBytes != 0 {
+		t.Fatalf("SNAT-ed connections: want %d addr_mismatch and no redirect, got %v and %d bytes",
+			fallbackOpts.Conns, s.PassthroughConnections, s.RedirectedBytes)
+	}
+}
