@@ -21,6 +21,5 @@ mode=(--quick)
 if [[ "${1:-}" == "--full" ]]; then
 	mode=(--repeat 3 --duration 10s)
 fi
+# bench prints the table and says where the reports are.
 out/meshwarp bench "${mode[@]}" --json out/bench.json --html out/report.html
-echo
-echo "HTML report: $(pwd)/out/report.html   JSON: $(pwd)/out/bench.json"

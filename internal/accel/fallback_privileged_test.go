@@ -88,19 +88,26 @@ func TestPrivilegedFallbackSockhashFull(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	a := startAgent(t, Config{SockhashCapacity: 8})
 	target := echoOn(t, "127.0.0.1:0")
-	// Hold 20 connections open at once so the hash overflows.
+	// First 2 connections (4 sockets, below capacity), then 20 more while
+	// those stay open, so the hash overflows; all are checked byte by byte.
 	stop := make(chan struct{})
-	started := make(chan struct{}, 20)
-	done := make(chan testutil.IntegrityResult, 1)
-	go func() {
-		done <- testutil.CheckIntegrity(dialer(target), testutil.IntegrityOptions{Conns: 20, Messages: 3, MaxSize: 8 << 10, Seed: 8, Stop: stop, Started: started})
-	}()
-	for range 20 {
-		<-started
+	var done []chan testutil.IntegrityResult
+	for i, n := range []int{2, 20} {
+		started := make(chan struct{}, n)
+		res := make(chan testutil.IntegrityResult, 1)
+		go func() {
+			res <- testutil.CheckIntegrity(dialer(target), testutil.IntegrityOptions{Conns: n, Messages: 3, MaxSize: 8 << 10, Seed: uint64(8 + i), Stop: stop, Started: started})
+		}()
+		for range n {
+			<-started
+		}
+		done = append(done, res)
 	}
 	close(stop)
-	if err := (<-done).Err(); err != nil {
-		t.Fatal(err)
+	for _, res := range done {
+		if err := (<-res).Err(); err != nil {
+			t.Fatal(err)
+		}
 	}
 	s := stats(t, a)
 	t.Logf("sockhash full %d, passthrough conns %v, paired %d", s.SockhashFull, s.PassthroughConnections, s.PairedSockets)
