@@ -12,6 +12,12 @@
  *   mw_sk_store     SK_STORAGE             mw_sk_state per socket
  *   mw_stats        PERCPU_ARRAY           mw_counters
  *   mw_policy, mw_port_policy, mw_cidr_incl, mw_cidr_excl   policy
+ *   mw_cgroup       CGROUP_ARRAY, mw_splice_procs LRU_HASH    splice(2) watch
+ *
+ * mw_splice_watch (tracepoint syscalls/sys_enter_splice, optional): counts
+ * processes of the cgroup that read a socket with splice(2). splice reads
+ * only the TCP receive queue, so such a reader cannot see redirected bytes;
+ * `meshwarp status` names them so their ports can be excluded.
  *
  * How a connection is paired (once, never changed):
  *   1. active side ESTABLISHED: create mw_conns[id] = PENDING, join mw_sock_hash.
@@ -26,6 +32,7 @@
 #include "vmlinux.h"
 #include "bpf_helpers.h"
 #include "bpf_endian.h"
+#include "bpf_core_read.h"
 #include "accel.h"
 
 #define AF_INET 2
@@ -503,4 +510,63 @@ int mw_skmsg(struct sk_msg_md *msg)
 		cnt->passthrough_bytes[reason] += size;
 	}
 	return SK_PASS;
+}
+
+struct {
+	__uint(type, BPF_MAP_TYPE_CGROUP_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} mw_cgroup SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 256);
+	__type(key, __u32); /* tgid */
+	__type(value, struct mw_splice_proc);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_splice_procs SEC(".maps");
+
+#define MW_S_IFMT 00170000
+#define MW_S_IFSOCK 0140000
+
+SEC("tracepoint/syscalls/sys_enter_splice")
+int mw_splice_watch(struct trace_event_raw_sys_enter *ctx)
+{
+	struct task_struct *task;
+	struct file **fds;
+	struct file *file = NULL;
+	struct mw_splice_proc *p, init = {};
+	struct mw_counters *cnt;
+	__u32 tgid, max_fds;
+	__u16 mode;
+	long fd_in = ctx->args[0];
+
+	if (bpf_current_task_under_cgroup(&mw_cgroup, 0) != 1)
+		return 0;
+	task = (struct task_struct *)bpf_get_current_task();
+	max_fds = BPF_CORE_READ(task, files, fdt, max_fds);
+	if (fd_in < 0 || fd_in >= max_fds)
+		return 0;
+	fds = BPF_CORE_READ(task, files, fdt, fd);
+	if (bpf_probe_read_kernel(&file, sizeof(file), &fds[fd_in]) || !file)
+		return 0;
+	mode = BPF_CORE_READ(file, f_inode, i_mode);
+	if ((mode & MW_S_IFMT) != MW_S_IFSOCK)
+		return 0;
+
+	cnt = counters();
+	if (cnt)
+		cnt->splice_socket_reads++;
+	tgid = bpf_get_current_pid_tgid() >> 32;
+	p = bpf_map_lookup_elem(&mw_splice_procs, &tgid);
+	if (!p) {
+		bpf_get_current_comm(init.comm, sizeof(init.comm));
+		bpf_map_update_elem(&mw_splice_procs, &tgid, &init, BPF_NOEXIST);
+		p = bpf_map_lookup_elem(&mw_splice_procs, &tgid);
+		if (!p)
+			return 0;
+	}
+	__sync_fetch_and_add(&p->calls, 1);
+	return 0;
 }

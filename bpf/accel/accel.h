@@ -108,6 +108,13 @@ struct mw_counters {
 	__u64 hop_conns[MW_HOP_MAX];
 	__u64 hop_msgs[MW_HOP_MAX];
 	__u64 hop_bytes[MW_HOP_MAX];
+	__u64 splice_socket_reads; /* splice(2) from a socket by a process in the cgroup */
+};
+
+/* mw_splice_procs value: a process that read a socket with splice(2). */
+struct mw_splice_proc {
+	char comm[16];
+	__u64 calls;
 };
 
 /* mw_port_policy values. */

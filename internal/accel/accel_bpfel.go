@@ -37,18 +37,19 @@ type accelMwConnId struct {
 }
 
 type accelMwCounters struct {
-	_                structs.HostLayout
-	SocketsPaired    uint64
-	SocketsClosed    uint64
-	RedirectedMsgs   uint64
-	RedirectedBytes  uint64
-	SockhashFull     uint64
-	PassthroughMsgs  [7]uint64
-	PassthroughBytes [7]uint64
-	PassthroughConns [7]uint64
-	HopConns         [4]uint64
-	HopMsgs          [4]uint64
-	HopBytes         [4]uint64
+	_                 structs.HostLayout
+	SocketsPaired     uint64
+	SocketsClosed     uint64
+	RedirectedMsgs    uint64
+	RedirectedBytes   uint64
+	SockhashFull      uint64
+	PassthroughMsgs   [7]uint64
+	PassthroughBytes  [7]uint64
+	PassthroughConns  [7]uint64
+	HopConns          [4]uint64
+	HopMsgs           [4]uint64
+	HopBytes          [4]uint64
+	SpliceSocketReads uint64
 }
 
 type accelMwEndpoint struct {
@@ -82,10 +83,17 @@ type accelMwSockKey struct {
 	Pad          uint32
 }
 
+type accelMwSpliceProc struct {
+	_     structs.HostLayout
+	Comm  [16]int8
+	Calls uint64
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	accelMapMwCgroup            = "mw_cgroup"
 	accelMapMwCidrExcl          = "mw_cidr_excl"
 	accelMapMwCidrIncl          = "mw_cidr_incl"
 	accelMapMwConns             = "mw_conns"
@@ -93,9 +101,11 @@ const (
 	accelMapMwPortPolicy        = "mw_port_policy"
 	accelMapMwSkStore           = "mw_sk_store"
 	accelMapMwSockHash          = "mw_sock_hash"
+	accelMapMwSpliceProcs       = "mw_splice_procs"
 	accelMapMwStats             = "mw_stats"
 	accelProgMwSkmsg            = "mw_skmsg"
 	accelProgMwSockops          = "mw_sockops"
+	accelProgMwSpliceWatch      = "mw_splice_watch"
 	accelVarInboundCapturePort  = "inbound_capture_port"
 	accelVarOutboundCapturePort = "outbound_capture_port"
 	accelVarSidecarUid          = "sidecar_uid"
@@ -143,22 +153,25 @@ type accelSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelProgramSpecs struct {
-	MwSkmsg   *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
-	MwSockops *ebpf.ProgramSpec `ebpf:"mw_sockops"`
+	MwSkmsg       *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
+	MwSockops     *ebpf.ProgramSpec `ebpf:"mw_sockops"`
+	MwSpliceWatch *ebpf.ProgramSpec `ebpf:"mw_splice_watch"`
 }
 
 // accelMapSpecs contains maps before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelMapSpecs struct {
-	MwCidrExcl   *ebpf.MapSpec `ebpf:"mw_cidr_excl"`
-	MwCidrIncl   *ebpf.MapSpec `ebpf:"mw_cidr_incl"`
-	MwConns      *ebpf.MapSpec `ebpf:"mw_conns"`
-	MwPolicy     *ebpf.MapSpec `ebpf:"mw_policy"`
-	MwPortPolicy *ebpf.MapSpec `ebpf:"mw_port_policy"`
-	MwSkStore    *ebpf.MapSpec `ebpf:"mw_sk_store"`
-	MwSockHash   *ebpf.MapSpec `ebpf:"mw_sock_hash"`
-	MwStats      *ebpf.MapSpec `ebpf:"mw_stats"`
+	MwCgroup      *ebpf.MapSpec `ebpf:"mw_cgroup"`
+	MwCidrExcl    *ebpf.MapSpec `ebpf:"mw_cidr_excl"`
+	MwCidrIncl    *ebpf.MapSpec `ebpf:"mw_cidr_incl"`
+	MwConns       *ebpf.MapSpec `ebpf:"mw_conns"`
+	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
+	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
+	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
+	MwSockHash    *ebpf.MapSpec `ebpf:"mw_sock_hash"`
+	MwSpliceProcs *ebpf.MapSpec `ebpf:"mw_splice_procs"`
+	MwStats       *ebpf.MapSpec `ebpf:"mw_stats"`
 }
 
 // accelVariableSpecs contains global variables before they are loaded into the kernel.
@@ -190,18 +203,21 @@ func (o *accelObjects) Close() error {
 //
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelMaps struct {
-	MwCidrExcl   *ebpf.Map `ebpf:"mw_cidr_excl"`
-	MwCidrIncl   *ebpf.Map `ebpf:"mw_cidr_incl"`
-	MwConns      *ebpf.Map `ebpf:"mw_conns"`
-	MwPolicy     *ebpf.Map `ebpf:"mw_policy"`
-	MwPortPolicy *ebpf.Map `ebpf:"mw_port_policy"`
-	MwSkStore    *ebpf.Map `ebpf:"mw_sk_store"`
-	MwSockHash   *ebpf.Map `ebpf:"mw_sock_hash"`
-	MwStats      *ebpf.Map `ebpf:"mw_stats"`
+	MwCgroup      *ebpf.Map `ebpf:"mw_cgroup"`
+	MwCidrExcl    *ebpf.Map `ebpf:"mw_cidr_excl"`
+	MwCidrIncl    *ebpf.Map `ebpf:"mw_cidr_incl"`
+	MwConns       *ebpf.Map `ebpf:"mw_conns"`
+	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
+	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
+	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
+	MwSockHash    *ebpf.Map `ebpf:"mw_sock_hash"`
+	MwSpliceProcs *ebpf.Map `ebpf:"mw_splice_procs"`
+	MwStats       *ebpf.Map `ebpf:"mw_stats"`
 }
 
 func (m *accelMaps) Close() error {
 	return _AccelClose(
+		m.MwCgroup,
 		m.MwCidrExcl,
 		m.MwCidrIncl,
 		m.MwConns,
@@ -209,6 +225,7 @@ func (m *accelMaps) Close() error {
 		m.MwPortPolicy,
 		m.MwSkStore,
 		m.MwSockHash,
+		m.MwSpliceProcs,
 		m.MwStats,
 	)
 }
@@ -226,14 +243,16 @@ type accelVariables struct {
 //
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelPrograms struct {
-	MwSkmsg   *ebpf.Program `ebpf:"mw_skmsg"`
-	MwSockops *ebpf.Program `ebpf:"mw_sockops"`
+	MwSkmsg       *ebpf.Program `ebpf:"mw_skmsg"`
+	MwSockops     *ebpf.Program `ebpf:"mw_sockops"`
+	MwSpliceWatch *ebpf.Program `ebpf:"mw_splice_watch"`
 }
 
 func (p *accelPrograms) Close() error {
 	return _AccelClose(
 		p.MwSkmsg,
 		p.MwSockops,
+		p.MwSpliceWatch,
 	)
 }
 

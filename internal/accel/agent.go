@@ -88,7 +88,10 @@ type Agent struct {
 	objs    accelObjects
 	sockops link.Link
 	skmsg   link.Link
-	closed  bool
+	// splice watches splice(2) readers while this process runs (not pinned:
+	// it is observability, not data path).
+	splice link.Link
+	closed bool
 	// Adopted is true when Start found pinned state from an earlier agent and took it over.
 	Adopted bool
 }
@@ -190,6 +193,13 @@ func Start(cfg Config, logger *slog.Logger) (_ *Agent, err error) {
 	}
 	sockops := a.sockops
 	undo = append(undo, func() { sockops.Close() })
+
+	a.splice, err = watchSplice(a.objs.MwSpliceWatch, a.objs.MwCgroup, cfg.CgroupPath)
+	if err != nil {
+		// Observability only: acceleration works without it.
+		logger.Warn("splice(2) watch off", "err", err)
+		err = nil
+	}
 
 	logger.Info("acceleration attached", "cgroup", cfg.CgroupPath, "pin_dir", cfg.PinDir,
 		"adopted", a.Adopted, "capacity", cfg.SockhashCapacity)
@@ -330,7 +340,12 @@ func unpinNew(dir string, before map[string]bool) {
 
 // Stats reads the counters.
 func (a *Agent) Stats() (Stats, error) {
-	return readStats(a.objs.MwStats)
+	s, err := readStats(a.objs.MwStats)
+	if err != nil {
+		return s, err
+	}
+	s.SpliceReaders, err = readSpliceReaders(a.objs.MwSpliceProcs)
+	return s, err
 }
 
 // Close releases this process's handles. Everything stays attached and
@@ -342,6 +357,9 @@ func (a *Agent) Close() error {
 	}
 	a.closed = true
 	var errs []error
+	if a.splice != nil {
+		errs = append(errs, a.splice.Close())
+	}
 	if a.sockops != nil {
 		errs = append(errs, a.sockops.Close())
 	}
@@ -383,7 +401,7 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 func unpinMaps(objs *accelObjects) error {
 	var errs []error
 	for _, m := range []*ebpf.Map{objs.MwSockHash, objs.MwConns, objs.MwSkStore, objs.MwStats,
-		objs.MwPolicy, objs.MwPortPolicy, objs.MwCidrIncl, objs.MwCidrExcl} {
+		objs.MwPolicy, objs.MwPortPolicy, objs.MwCidrIncl, objs.MwCidrExcl, objs.MwSpliceProcs} {
 		if m != nil && m.IsPinned() {
 			errs = append(errs, m.Unpin())
 		}

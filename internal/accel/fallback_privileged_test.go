@@ -6,6 +6,8 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
+	"slices"
 	"strconv"
 	"testing"
 
@@ -146,6 +148,12 @@ func TestPrivilegedFallbackSpliceReceiverExcluded(t *testing.T) {
 	}
 	if err := testutil.CheckIntegrity(dialer(target), fallbackOpts).Err(); err != nil {
 		t.Fatal(err)
+	}
+	// The agent saw the splice reader and names it.
+	s := stats(t, a)
+	self := uint32(os.Getpid())
+	if s.SpliceSocketReads == 0 || !slices.ContainsFunc(s.SpliceReaders, func(r SpliceReader) bool { return r.PID == self && r.Calls > 0 }) {
+		t.Fatalf("splice reader not reported: %d reads, readers %+v (want pid %d)", s.SpliceSocketReads, s.SpliceReaders, self)
 	}
 }
 

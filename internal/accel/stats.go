@@ -25,6 +25,11 @@ type Stats struct {
 	SockhashFull           uint64            `json:"sockhash_full"`
 	// Hops splits the redirect counters by mesh hop.
 	Hops map[string]HopStats `json:"hops"`
+	// SpliceSocketReads counts splice(2) calls reading a socket by processes
+	// of the accelerated cgroup; SpliceReaders names them. Such a reader
+	// cannot see redirected bytes: exclude its ports.
+	SpliceSocketReads uint64         `json:"splice_socket_reads"`
+	SpliceReaders     []SpliceReader `json:"splice_readers,omitempty"`
 }
 
 // HopStats counts one hop kind.
@@ -60,7 +65,12 @@ func ReadPinnedStats(pinDir string) (Stats, error) {
 		return Stats{}, fmt.Errorf("open %s: %w (is `meshwarp run` attached? see `meshwarp probe`)", p, err)
 	}
 	defer m.Close()
-	return readStats(m)
+	s, err := readStats(m)
+	if err != nil {
+		return s, err
+	}
+	s.SpliceReaders, err = pinnedSpliceReaders(pinDir)
+	return s, err
 }
 
 func readStats(m *ebpf.Map) (Stats, error) {
@@ -80,6 +90,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 		t.RedirectedMsgs += c.RedirectedMsgs
 		t.RedirectedBytes += c.RedirectedBytes
 		t.SockhashFull += c.SockhashFull
+		t.SpliceSocketReads += c.SpliceSocketReads
 		for i := range t.PassthroughMsgs {
 			t.PassthroughMsgs[i] += c.PassthroughMsgs[i]
 			t.PassthroughBytes[i] += c.PassthroughBytes[i]
@@ -96,6 +107,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 		RedirectedBytes:        t.RedirectedBytes,
 		PairedSockets:          t.SocketsPaired,
 		SockhashFull:           t.SockhashFull,
+		SpliceSocketReads:      t.SpliceSocketReads,
 		PassthroughByReason:    map[string]uint64{},
 		PassthroughConnections: map[string]uint64{},
 		Hops:                   map[string]HopStats{},
@@ -134,6 +146,7 @@ func (s Stats) Sub(before Stats) Stats {
 	d.PassthroughBytes -= before.PassthroughBytes
 	d.PairedSockets -= before.PairedSockets
 	d.SockhashFull -= before.SockhashFull
+	d.SpliceSocketReads -= before.SpliceSocketReads
 	d.PassthroughByReason = subMap(s.PassthroughByReason, before.PassthroughByReason)
 	d.PassthroughConnections = subMap(s.PassthroughConnections, before.PassthroughConnections)
 	d.Hops = map[string]HopStats{}

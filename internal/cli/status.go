@@ -33,7 +33,9 @@ attached). Counters are cumulative across agent restarts.
     key_collision   two live connections drew the same identity (both left to TCP)
     addr_mismatch   the peer saw another source address (SNAT): not provably a pair
     policy          excluded by port/CIDR policy (connections only)
-  hops                    per mesh hop: app_to_sidecar, sidecar_to_sidecar, sidecar_to_app, direct`,
+  hops                    per mesh hop: app_to_sidecar, sidecar_to_sidecar, sidecar_to_app, direct
+  splice_*                processes of the cgroup that read sockets with splice(2), which
+                          cannot see redirected bytes (watched while 'meshwarp run' runs)`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			s, err := accel.ReadPinnedStats(pinDir)
@@ -76,6 +78,13 @@ func printStatus(w io.Writer, pinDir string, s accel.Stats) {
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t\n", h, hs.PairedConnections, hs.RedirectedMessages, hs.RedirectedBytes)
 	}
 	tw.Flush()
+	if s.SpliceSocketReads > 0 {
+		fmt.Fprintf(w, "\nwarning: %d splice(2) reads from sockets in the accelerated cgroup. A socket read with\n"+
+			"splice cannot see redirected bytes: exclude the ports of these processes (--exclude-ports):\n", s.SpliceSocketReads)
+		for _, r := range s.SpliceReaders {
+			fmt.Fprintf(w, "  pid %d (%s): %d calls\n", r.PID, r.Comm, r.Calls)
+		}
+	}
 }
 
 func sortedKeys(m map[string]uint64) []string {

@@ -45,6 +45,8 @@ var (
 		"Bytes redirected, by mesh hop.", []string{"hop"}, nil)
 	descHopMsgs = prometheus.NewDesc("meshwarp_accel_hop_redirected_messages_total",
 		"Messages redirected, by mesh hop.", []string{"hop"}, nil)
+	descSplice = prometheus.NewDesc("meshwarp_accel_splice_socket_reads_total",
+		"splice(2) reads from sockets by processes of the accelerated cgroup (such readers cannot see redirected bytes).", nil, nil)
 	descScrapeErr = prometheus.NewDesc("meshwarp_accel_scrape_error",
 		"1 if the last read of the BPF maps failed.", nil, nil)
 )
@@ -54,7 +56,7 @@ type accelCollector struct{ read StatsFunc }
 
 func (c accelCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descSockets, descRedirBytes, descRedirMsgs, descPassMsgs,
-		descPassConns, descFull, descHopConns, descHopBytes, descHopMsgs, descScrapeErr} {
+		descPassConns, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descScrapeErr} {
 		ch <- d
 	}
 }
@@ -70,6 +72,7 @@ func (c accelCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descRedirBytes, prometheus.CounterValue, float64(s.RedirectedBytes))
 	ch <- prometheus.MustNewConstMetric(descRedirMsgs, prometheus.CounterValue, float64(s.RedirectedMessages))
 	ch <- prometheus.MustNewConstMetric(descFull, prometheus.CounterValue, float64(s.SockhashFull))
+	ch <- prometheus.MustNewConstMetric(descSplice, prometheus.CounterValue, float64(s.SpliceSocketReads))
 	for _, r := range accel.ReasonNames() {
 		ch <- prometheus.MustNewConstMetric(descPassMsgs, prometheus.CounterValue, float64(s.PassthroughByReason[r]), r)
 		ch <- prometheus.MustNewConstMetric(descPassConns, prometheus.CounterValue, float64(s.PassthroughConnections[r]), r)
