@@ -193,12 +193,17 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	if _, err := os.Stat(pinDir); !os.IsNotExist(err) {
 		t.Fatalf("SIGTERM left %s behind", pinDir)
 	}
+	// status still sees the streams that stay accelerated after the uninstall.
+	out, _ := exec.Command(meshwarpBinary(t), "status", "--pin-dir", pinDir).CombinedOutput()
+	if !strings.Contains(string(out), "accelerated by an earlier agent are still open") {
+		t.Fatalf("status after uninstall does not report the open accelerated streams:\n%s", out)
+	}
 	checkNewConnections(t, dial, "after uninstall")
 
 	// 5. `meshwarp cleanup` of an agent that was killed, still under load.
 	agent4 := startAgentProc(t, cgroup, pinDir)
 	agent4.stop(t, syscall.SIGKILL)
-	out, err := exec.Command(meshwarpBinary(t), "cleanup", "--pin-dir", pinDir).CombinedOutput()
+	out, err = exec.Command(meshwarpBinary(t), "cleanup", "--pin-dir", pinDir).CombinedOutput()
 	if err != nil {
 		t.Fatalf("meshwarp cleanup: %v\n%s", err, out)
 	}

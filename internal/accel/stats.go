@@ -168,3 +168,36 @@ func subMap(a, b map[string]uint64) map[string]uint64 {
 	}
 	return out
 }
+
+// DetachedStats reads the counters of data paths that are no longer pinned
+// (after an uninstall or cleanup) but still alive because accelerated
+// sockets hold them: those connections keep working until they close, and
+// this is how `status` can still show them. The map pinned at pinDir, if
+// any, is skipped.
+func DetachedStats(pinDir string) ([]Stats, error) {
+	var pinnedID ebpf.MapID
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, "mw_stats"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
+		if info, err := m.Info(); err == nil {
+			pinnedID, _ = info.ID()
+		}
+		m.Close()
+	}
+	var out []Stats
+	for id, err := ebpf.MapGetNextID(0); err == nil; id, err = ebpf.MapGetNextID(id) {
+		if id == pinnedID {
+			continue
+		}
+		m, err := ebpf.NewMapFromID(id)
+		if err != nil {
+			continue // gone meanwhile, or not ours to open
+		}
+		info, err := m.Info()
+		if err == nil && info.Name == "mw_stats" && info.Type == ebpf.PerCPUArray {
+			if s, err := readStats(m); err == nil {
+				out = append(out, s)
+			}
+		}
+		m.Close()
+	}
+	return out, nil
+}

@@ -4,8 +4,10 @@ package cli
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"os"
 	"sort"
 	"text/tabwriter"
 
@@ -39,6 +41,9 @@ attached). Counters are cumulative across agent restarts.
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			s, err := accel.ReadPinnedStats(pinDir)
+			if errors.Is(err, os.ErrNotExist) {
+				return printDetached(cmd.OutOrStdout(), pinDir, asJSON, err)
+			}
 			if err != nil {
 				return err
 			}
@@ -85,6 +90,30 @@ func printStatus(w io.Writer, pinDir string, s accel.Stats) {
 			fmt.Fprintf(w, "  pid %d (%s): %d calls\n", r.PID, r.Comm, r.Calls)
 		}
 	}
+}
+
+// printDetached reports data paths that were uninstalled while accelerated
+// connections were open: nothing is attached, but those connections still
+// move socket-to-socket until they close.
+func printDetached(w io.Writer, pinDir string, asJSON bool, notPinned error) error {
+	detached, _ := accel.DetachedStats(pinDir)
+	var open uint64
+	for _, d := range detached {
+		open += d.AcceleratedSockets
+	}
+	if asJSON {
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(map[string]any{"attached": false, "detached_accelerated_sockets": open}); err != nil {
+			return err
+		}
+		return withExit(ExitFailure, fmt.Errorf("no agent pinned at %s", pinDir))
+	}
+	if open > 0 {
+		fmt.Fprintf(w, "no agent attached at %s; %d sockets accelerated by an earlier agent are still open\n"+
+			"(they keep working until they close; new connections use the normal stack)\n", pinDir, open)
+	}
+	return withExit(ExitFailure, notPinned)
 }
 
 func sortedKeys(m map[string]uint64) []string {
