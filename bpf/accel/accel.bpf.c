@@ -17,7 +17,8 @@
  * mw_splice_watch (tracepoint syscalls/sys_enter_splice, optional): counts
  * processes of the cgroup that read a socket with splice(2). splice reads
  * only the TCP receive queue, so such a reader cannot see redirected bytes;
- * `meshwarp status` names them so their ports can be excluded.
+ * `meshwarp status` names them, and later connections on the ports of the
+ * spliced socket are left to TCP (mw_splice_lport, mw_splice_rport).
  *
  * How a connection is paired (once, never changed):
  *   1. active side ESTABLISHED: create mw_conns[id] = PENDING, join mw_sock_hash.
@@ -113,6 +114,42 @@ struct {
 	__type(value, __u32);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } mw_cidr_excl SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_CGROUP_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} mw_cgroup SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 256);
+	__type(key, __u32); /* tgid */
+	__type(value, struct mw_splice_proc);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_splice_procs SEC(".maps");
+
+/*
+ * Ports of sockets seen read with splice(2): a later connection is not paired
+ * when its accepting side listens on a port in mw_splice_lport or its
+ * connecting side dials a port in mw_splice_rport (host order).
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_splice_lport SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_splice_rport SEC(".maps");
 
 static __always_inline struct mw_counters *counters(void)
 {
@@ -233,6 +270,10 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		count_conn(MW_REASON_POLICY);
 		return;
 	}
+	if (bpf_map_lookup_elem(&mw_splice_rport, &t.remote.port_host)) {
+		count_conn(MW_REASON_SPLICE_READER);
+		return;
+	}
 	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 	if (!st)
 		return;
@@ -331,6 +372,10 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		return;
 
 	sockops_tuple(skops, &t);
+	if (bpf_map_lookup_elem(&mw_splice_lport, &t.local.port_host)) {
+		conn_passthrough(c, MW_REASON_SPLICE_READER);
+		return;
+	}
 	/* REDIRECT/DNAT rewrite destinations, never the source: it must match. */
 	if (!endpoint_eq(&c->active_local, &t.remote)) {
 		conn_passthrough(c, MW_REASON_ADDR_MISMATCH);
@@ -512,21 +557,6 @@ int mw_skmsg(struct sk_msg_md *msg)
 	return SK_PASS;
 }
 
-struct {
-	__uint(type, BPF_MAP_TYPE_CGROUP_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, __u32);
-} mw_cgroup SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 256);
-	__type(key, __u32); /* tgid */
-	__type(value, struct mw_splice_proc);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_splice_procs SEC(".maps");
-
 #define MW_S_IFMT 00170000
 #define MW_S_IFSOCK 0140000
 
@@ -558,6 +588,18 @@ int mw_splice_watch(struct trace_event_raw_sys_enter *ctx)
 	cnt = counters();
 	if (cnt)
 		cnt->splice_socket_reads++;
+	/* Keep later connections on this socket's ports off the redirect path. */
+	{
+		struct socket *sock = BPF_CORE_READ(file, private_data);
+		__u32 lport = BPF_CORE_READ(sock, sk, __sk_common.skc_num);               /* host order */
+		__u32 rport = bpf_ntohs(BPF_CORE_READ(sock, sk, __sk_common.skc_dport)); /* network order */
+		__u32 one = 1;
+
+		if (lport)
+			bpf_map_update_elem(&mw_splice_lport, &lport, &one, BPF_ANY);
+		if (rport)
+			bpf_map_update_elem(&mw_splice_rport, &rport, &one, BPF_ANY);
+	}
 	tgid = bpf_get_current_pid_tgid() >> 32;
 	p = bpf_map_lookup_elem(&mw_splice_procs, &tgid);
 	if (!p) {

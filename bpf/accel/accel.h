@@ -56,7 +56,8 @@ enum mw_reason {
 	MW_REASON_KEY_COLLISION = 4,  /* two live connections drew the same identity */
 	MW_REASON_ADDR_MISMATCH = 5,  /* peer's source endpoint differs (SNAT): cannot prove the pair */
 	MW_REASON_POLICY = 6,         /* excluded by port/CIDR policy */
-	MW_REASON_MAX = 7,
+	MW_REASON_SPLICE_READER = 7,  /* a socket on this port was read with splice(2) */
+	MW_REASON_MAX = 8,
 };
 
 /* Which mesh hop a paired connection is. */

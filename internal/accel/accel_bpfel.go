@@ -43,9 +43,9 @@ type accelMwCounters struct {
 	RedirectedMsgs    uint64
 	RedirectedBytes   uint64
 	SockhashFull      uint64
-	PassthroughMsgs   [7]uint64
-	PassthroughBytes  [7]uint64
-	PassthroughConns  [7]uint64
+	PassthroughMsgs   [8]uint64
+	PassthroughBytes  [8]uint64
+	PassthroughConns  [8]uint64
 	HopConns          [4]uint64
 	HopMsgs           [4]uint64
 	HopBytes          [4]uint64
@@ -101,7 +101,9 @@ const (
 	accelMapMwPortPolicy        = "mw_port_policy"
 	accelMapMwSkStore           = "mw_sk_store"
 	accelMapMwSockHash          = "mw_sock_hash"
+	accelMapMwSpliceLport       = "mw_splice_lport"
 	accelMapMwSpliceProcs       = "mw_splice_procs"
+	accelMapMwSpliceRport       = "mw_splice_rport"
 	accelMapMwStats             = "mw_stats"
 	accelProgMwSkmsg            = "mw_skmsg"
 	accelProgMwSockops          = "mw_sockops"
@@ -170,7 +172,9 @@ type accelMapSpecs struct {
 	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
 	MwSockHash    *ebpf.MapSpec `ebpf:"mw_sock_hash"`
+	MwSpliceLport *ebpf.MapSpec `ebpf:"mw_splice_lport"`
 	MwSpliceProcs *ebpf.MapSpec `ebpf:"mw_splice_procs"`
+	MwSpliceRport *ebpf.MapSpec `ebpf:"mw_splice_rport"`
 	MwStats       *ebpf.MapSpec `ebpf:"mw_stats"`
 }
 
@@ -211,7 +215,9 @@ type accelMaps struct {
 	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
 	MwSockHash    *ebpf.Map `ebpf:"mw_sock_hash"`
+	MwSpliceLport *ebpf.Map `ebpf:"mw_splice_lport"`
 	MwSpliceProcs *ebpf.Map `ebpf:"mw_splice_procs"`
+	MwSpliceRport *ebpf.Map `ebpf:"mw_splice_rport"`
 	MwStats       *ebpf.Map `ebpf:"mw_stats"`
 }
 
@@ -225,7 +231,9 @@ func (m *accelMaps) Close() error {
 		m.MwPortPolicy,
 		m.MwSkStore,
 		m.MwSockHash,
+		m.MwSpliceLport,
 		m.MwSpliceProcs,
+		m.MwSpliceRport,
 		m.MwStats,
 	)
 }

@@ -401,7 +401,7 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 func unpinMaps(objs *accelObjects) error {
 	var errs []error
 	for _, m := range []*ebpf.Map{objs.MwSockHash, objs.MwConns, objs.MwSkStore, objs.MwStats,
-		objs.MwPolicy, objs.MwPortPolicy, objs.MwCidrIncl, objs.MwCidrExcl, objs.MwSpliceProcs} {
+		objs.MwPolicy, objs.MwPortPolicy, objs.MwCidrIncl, objs.MwCidrExcl, objs.MwSpliceProcs, objs.MwSpliceLport, objs.MwSpliceRport} {
 		if m != nil && m.IsPinned() {
 			errs = append(errs, m.Unpin())
 		}

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"testing"
+	"time"
 
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
@@ -176,5 +177,58 @@ func TestPrivilegedFallbackUnpairableSNAT(t *testing.T) {
 	if s.PassthroughConnections["addr_mismatch"] != uint64(fallbackOpts.Conns) || s.RedirectedBytes != 0 {
 		t.Fatalf("SNAT-ed connections: want %d addr_mismatch and no redirect, got %v and %d bytes",
 			fallbackOpts.Conns, s.PassthroughConnections, s.RedirectedBytes)
+	}
+}
+
+// A receiver that reads with splice(2) on a port nobody excluded: once the
+// agent has seen one splice read there, later connections to that port are
+// left to TCP and arrive intact. (The connection that revealed the splice
+// reader was already paired; its redirected bytes are invisible to splice.)
+func TestPrivilegedSpliceReaderPortLeftToTCP(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	a := startAgent(t, Config{})
+	ln := mustListen(t, "127.0.0.1:0")
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				io.Copy(c, c) // splice(2) on Linux
+				c.(*net.TCPConn).CloseWrite()
+			}()
+		}
+	}()
+	t.Cleanup(func() { ln.Close() })
+	target := ln.Addr().String()
+
+	// The revealing connection: its outcome is the documented hazard.
+	c, err := net.Dial("tcp", target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Write([]byte("x"))
+	c.(*net.TCPConn).CloseWrite()
+	c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	io.Copy(io.Discard, c)
+	c.Close()
+	deadline := time.Now().Add(30 * time.Second)
+	for stats(t, a).SpliceSocketReads == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the splice read was not seen")
+		}
+		time.Sleep(10 * time.Millisecond) // polling interval
+	}
+
+	before := stats(t, a)
+	if err := testutil.CheckIntegrity(dialer(target), fallbackOpts).Err(); err != nil {
+		t.Fatal(err)
+	}
+	d := stats(t, a).Sub(before)
+	if d.RedirectedBytes != 0 || d.PassthroughConnections["splice_reader"] != uint64(fallbackOpts.Conns) {
+		t.Fatalf("after the splice reader was seen: redirected %d bytes, splice_reader passthrough %d (want 0, %d)",
+			d.RedirectedBytes, d.PassthroughConnections["splice_reader"], fallbackOpts.Conns)
 	}
 }

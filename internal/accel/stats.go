@@ -41,7 +41,7 @@ type HopStats struct {
 
 // Reason names, indexed by enum mw_reason (bpf/accel/accel.h; keep in sync).
 var reasonNames = [...]string{
-	"none", "no_peer", "peer_closed", "sockhash_full", "key_collision", "addr_mismatch", "policy",
+	"none", "no_peer", "peer_closed", "sockhash_full", "key_collision", "addr_mismatch", "policy", "splice_reader",
 }
 
 // Hop names, indexed by enum mw_hop (bpf/accel/accel.h; keep in sync).

@@ -35,6 +35,8 @@ attached). Counters are cumulative across agent restarts.
     key_collision   two live connections drew the same identity (both left to TCP)
     addr_mismatch   the peer saw another source address (SNAT): not provably a pair
     policy          excluded by port/CIDR policy (connections only)
+    splice_reader   a socket on the same port was read with splice(2), which cannot see
+                    redirected bytes: later connections on that port stay on TCP
   hops                    per mesh hop: app_to_sidecar, sidecar_to_sidecar, sidecar_to_app, direct
   splice_*                processes of the cgroup that read sockets with splice(2), which
                           cannot see redirected bytes (watched while 'meshwarp run' runs)`,
