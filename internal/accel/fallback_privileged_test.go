@@ -122,12 +122,11 @@ func TestPrivilegedFallbackSockhashFull(t *testing.T) {
 	}
 }
 
-// Receivers that read with splice(2) (Go's io.Copy between two TCP
-// connections does) cannot see bytes redirected into the socket: the
-// documented remedy is to exclude their port, and then they work.
-func TestPrivilegedFallbackSpliceReceiverExcluded(t *testing.T) {
-	testutil.RequirePrivileged(t)
-	a := startAgent(t, Config{})
+// serveSpliceEcho starts an echo server on loopback that reads with
+// splice(2) (Go's io.Copy between two TCP connections does) and returns its
+// address. It must start after the test joined its cgroup.
+func serveSpliceEcho(t *testing.T) string {
+	t.Helper()
 	ln := mustListen(t, "127.0.0.1:0")
 	go func() {
 		for {
@@ -143,7 +142,16 @@ func TestPrivilegedFallbackSpliceReceiverExcluded(t *testing.T) {
 		}
 	}()
 	t.Cleanup(func() { ln.Close() })
-	target := ln.Addr().String()
+	return ln.Addr().String()
+}
+
+// Receivers that read with splice(2) (Go's io.Copy between two TCP
+// connections does) cannot see bytes redirected into the socket: the
+// documented remedy is to exclude their port, and then they work.
+func TestPrivilegedFallbackSpliceReceiverExcluded(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	a := startAgent(t, Config{})
+	target := serveSpliceEcho(t)
 	if err := a.ApplyPolicy(Policy{ExcludePorts: []uint16{portOf(t, target)}}); err != nil {
 		t.Fatal(err)
 	}
@@ -187,22 +195,7 @@ func TestPrivilegedFallbackUnpairableSNAT(t *testing.T) {
 func TestPrivilegedSpliceReaderPortLeftToTCP(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	a := startAgent(t, Config{})
-	ln := mustListen(t, "127.0.0.1:0")
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				io.Copy(c, c) // splice(2) on Linux
-				c.(*net.TCPConn).CloseWrite()
-			}()
-		}
-	}()
-	t.Cleanup(func() { ln.Close() })
-	target := ln.Addr().String()
+	target := serveSpliceEcho(t)
 
 	// The revealing connection: its outcome is the documented hazard.
 	c, err := net.Dial("tcp", target)
