@@ -21,14 +21,28 @@
  * spliced socket are left to TCP (mw_splice_lport, mw_splice_rport).
  *
  * How a connection is paired (once, never changed):
- *   1. active side ESTABLISHED: create mw_conns[id] = PENDING, join mw_sock_hash.
+ *   0. a listener of the cgroup gets a SYN (RWND_INIT, on the request socket,
+ *      before the SYN-ACK is sent): note the SYN's source endpoint in
+ *      mw_syn_hint. No note means no local peer in the cgroup: a remote host,
+ *      a server outside the cgroup. Such sockets never join mw_sock_hash.
+ *   1. active side ESTABLISHED: if its local endpoint was noted, create
+ *      mw_conns[id] = PENDING, join mw_sock_hash, arm the unpaired timer.
  *   2. passive side ESTABLISHED: if mw_conns[id] is PENDING and its active
  *      endpoint is our remote endpoint, join mw_sock_hash, then PENDING -> PAIRED.
  *   3. active side's first sendmsg: if still PENDING, PENDING -> PASSTHROUGH:
  *      that byte goes by TCP, and so does every later byte in both directions.
+ *   4. the timer: PENDING -> PASSTHROUGH (unpaired_timeout).
  * The passive side cannot send before step 2 (it is not accepted yet), and the
  * active side redirects only after it saw PAIRED, so no stream is ever split
  * between the two paths.
+ *
+ * Sockets that will not be paired leave mw_sock_hash, so the kernel gives
+ * them plain TCP back (tcp_bpf's FIONREAD, sendmsg and splice differ). A
+ * socket is removed only when its connection is PASSTHROUGH, a final state:
+ * a socket is a redirect target only of a PAIRED peer, so a removed socket
+ * has never had, and never gets, a redirected byte to lose. The passive side
+ * removes the active socket when it finds the decision made (step 2), and
+ * itself when it loses the race to step 3; the timer removes it otherwise.
  */
 #include "vmlinux.h"
 #include "bpf_helpers.h"
@@ -45,6 +59,18 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 const volatile __u32 sidecar_uid = 1337;
 const volatile __u32 outbound_capture_port = 15001;
 const volatile __u32 inbound_capture_port = 15006;
+
+/*
+ * How long a hinted active socket may wait in mw_sock_hash for its peer. The
+ * peer is on this node: its ESTABLISHED follows within microseconds unless
+ * the handshake's last ACK is lost.
+ */
+const volatile __u64 unpaired_timeout_ns = 10 * 1000 * 1000;
+/* A SYN hint older than this is stale (a SYN-ACK round trip on one node is far shorter). */
+#define MW_SYN_HINT_TTL_NS (1000ULL * 1000 * 1000)
+
+#define CLOCK_MONOTONIC 1
+#define EBUSY 16
 
 /* Capacity is set by the loader (MaxEntries); this is the default. */
 #define MW_DEFAULT_CAPACITY 65536
@@ -64,6 +90,20 @@ struct {
 	__type(value, struct mw_conn);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } mw_conns SEC(".maps");
+
+/*
+ * Source endpoints of SYNs that listeners of the cgroup answered, with the
+ * time (ktime ns). Not keyed by netns: the active side may be in another
+ * namespace. A hint only lets a socket join mw_sock_hash; the pairing itself
+ * is proven by the sequence numbers (mw_conns) and the timer bounds a false hint.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MW_DEFAULT_CAPACITY);
+	__type(key, struct mw_endpoint);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_syn_hint SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
@@ -164,6 +204,33 @@ static __always_inline void count_conn(__u32 reason)
 		c->passthrough_conns[reason]++;
 }
 
+/*
+ * Take a socket of a PASSTHROUGH connection out of mw_sock_hash (see the
+ * header: it never was and never will be a redirect target). Only sock_ops
+ * (and its timer callbacks) may delete from a SOCKHASH.
+ */
+static __always_inline void remove_socket(struct mw_sock_key *key, __u32 reason)
+{
+	struct mw_counters *c;
+
+	if (bpf_map_delete_elem(&mw_sock_hash, key))
+		return; /* already removed, or closed */
+	c = counters();
+	if (c && reason < MW_REASON_MAX)
+		c->sockets_removed[reason]++;
+}
+
+static __always_inline void remove_active(const struct mw_conn_id *id, const struct mw_conn *c)
+{
+	struct mw_sock_key key = {
+		.conn = *id,
+		.active_cookie = c->active_cookie,
+		.role = MW_ROLE_ACTIVE,
+	};
+
+	remove_socket(&key, c->reason);
+}
+
 /* IPv4 as ::ffff:a.b.c.d so v4 peers of dual-stack listeners compare equal. */
 static __always_inline void set_v4_mapped(__u32 addr[4], __u32 ip4_be)
 {
@@ -254,6 +321,66 @@ static __always_inline __u32 socket_uid(struct bpf_sock *sk)
 	return tp->inet_conn.icsk_inet.sk.sk_uid.val;
 }
 
+/* Give up on a PENDING connection; whoever wins the cmpxchg writes the reason. */
+static __always_inline void conn_passthrough(struct mw_conn *c, __u32 reason)
+{
+	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PASSTHROUGH) ==
+	    MW_CONN_PENDING) {
+		c->reason = reason;
+		count_conn(reason);
+	}
+}
+
+/* Why a socket could not join mw_sock_hash (bpf_sock_hash_update's error). */
+static __always_inline __u32 join_error_reason(long err)
+{
+	return err == -EBUSY ? MW_REASON_SOCKMAP_BUSY : MW_REASON_SOCKHASH_FULL;
+}
+
+static __always_inline void count_join_error(__u32 reason)
+{
+	struct mw_counters *cnt;
+
+	if (reason != MW_REASON_SOCKHASH_FULL)
+		return;
+	cnt = counters();
+	if (cnt)
+		cnt->sockhash_full++;
+}
+
+/* mw_conns timer: a connection still unpaired gives up and leaves the hash. */
+static int on_unpaired_timeout(void *map, struct mw_conn_id *id, struct mw_conn *c)
+{
+	if (c->state == MW_CONN_PENDING)
+		conn_passthrough(c, MW_REASON_UNPAIRED_TIMEOUT);
+	if (c->state == MW_CONN_PASSTHROUGH)
+		remove_active(id, c);
+	return 0;
+}
+
+/* Step 0: a listener of the cgroup answers a SYN (skops->sk is NULL here). */
+static __always_inline void on_syn(struct bpf_sock_ops *skops)
+{
+	struct mw_tuple t = {};
+	__u64 now = bpf_ktime_get_ns();
+
+	sockops_tuple(skops, &t);
+	bpf_map_update_elem(&mw_syn_hint, &t.remote, &now, BPF_ANY);
+}
+
+/* Whether a listener of the cgroup just answered a SYN from this endpoint. */
+static __always_inline bool take_syn_hint(const struct mw_endpoint *local)
+{
+	__u64 *seen = bpf_map_lookup_elem(&mw_syn_hint, local);
+	bool fresh;
+
+	if (!seen)
+		return false;
+	fresh = bpf_ktime_get_ns() - *seen < MW_SYN_HINT_TTL_NS;
+	bpf_map_delete_elem(&mw_syn_hint, local);
+	return fresh;
+}
+
 static __always_inline void on_active_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
 						  __u32 snd_nxt, __u32 rcv_nxt)
 {
@@ -261,8 +388,9 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	struct mw_conn conn = {};
 	struct mw_sock_key key = {};
 	struct mw_sk_state *st;
-	struct mw_counters *cnt;
+	struct mw_conn *c;
 	struct mw_conn_id id = { .active_isn1 = snd_nxt, .passive_isn1 = rcv_nxt };
+	__u32 reason;
 	long err;
 
 	sockops_tuple(skops, &t);
@@ -272,6 +400,10 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	}
 	if (bpf_map_lookup_elem(&mw_splice_rport, &t.remote.port_host)) {
 		count_conn(MW_REASON_SPLICE_READER);
+		return;
+	}
+	if (!take_syn_hint(&t.local)) {
+		count_conn(MW_REASON_NO_LOCAL_PEER);
 		return;
 	}
 	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
@@ -292,16 +424,12 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		 * which active socket it belongs to.
 		 */
 		struct mw_conn *other = bpf_map_lookup_elem(&mw_conns, &id);
-		__u32 reason = other ? MW_REASON_KEY_COLLISION : MW_REASON_SOCKHASH_FULL;
 
+		reason = other ? MW_REASON_KEY_COLLISION : MW_REASON_SOCKHASH_FULL;
 		if (other && __sync_val_compare_and_swap(&other->state, MW_CONN_PENDING,
 							 MW_CONN_PASSTHROUGH) == MW_CONN_PENDING)
 			other->reason = MW_REASON_KEY_COLLISION;
-		if (!other) {
-			cnt = counters();
-			if (cnt)
-				cnt->sockhash_full++;
-		}
+		count_join_error(reason);
 		st->decision = MW_CONN_PASSTHROUGH;
 		st->reason = reason;
 		count_conn(reason);
@@ -311,26 +439,28 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	st->peer.conn = id;
 	/* STATE_CB lets us drop the mw_conns entry when this socket closes. */
 	bpf_sock_ops_cb_flags_set(skops, BPF_SOCK_OPS_STATE_CB_FLAG);
+	c = bpf_map_lookup_elem(&mw_conns, &id);
+	if (!c)
+		return; /* cannot happen: this socket's close is the only delete */
 
 	key.conn = id;
 	key.active_cookie = conn.active_cookie;
 	key.role = MW_ROLE_ACTIVE;
-	if (bpf_sock_hash_update(skops, &mw_sock_hash, &key, BPF_NOEXIST)) {
-		struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &id);
-
-		if (c && __sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PASSTHROUGH) ==
-				 MW_CONN_PENDING)
-			c->reason = MW_REASON_SOCKHASH_FULL;
+	err = bpf_sock_hash_update(skops, &mw_sock_hash, &key, BPF_NOEXIST);
+	if (err) {
+		reason = join_error_reason(err);
+		conn_passthrough(c, reason);
+		count_join_error(reason);
 		st->decision = MW_CONN_PASSTHROUGH;
-		st->reason = MW_REASON_SOCKHASH_FULL;
-		cnt = counters();
-		if (cnt)
-			cnt->sockhash_full++;
-		count_conn(MW_REASON_SOCKHASH_FULL);
+		st->reason = reason;
 		return;
 	}
 	st->peer = key;
 	st->peer.role = MW_ROLE_PASSIVE;
+	/* A timer that cannot be armed leaves the socket to steps 2 and 3. */
+	if (bpf_timer_init(&c->unpaired_timer, &mw_conns, CLOCK_MONOTONIC) == 0 &&
+	    bpf_timer_set_callback(&c->unpaired_timer, on_unpaired_timeout) == 0)
+		bpf_timer_start(&c->unpaired_timer, unpaired_timeout_ns, 0);
 }
 
 static __always_inline __u32 classify_hop(__u32 passive_local_port, const struct mw_conn *c)
@@ -344,14 +474,12 @@ static __always_inline __u32 classify_hop(__u32 passive_local_port, const struct
 	return MW_HOP_DIRECT;
 }
 
-/* Give up on a PENDING connection; whoever wins the cmpxchg writes the reason. */
-static __always_inline void conn_passthrough(struct mw_conn *c, __u32 reason)
+/* The connection will not be paired: the active socket leaves the hash. */
+static __always_inline void passive_gives_up(struct mw_conn_id *id, struct mw_conn *c, __u32 reason)
 {
-	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PASSTHROUGH) ==
-	    MW_CONN_PENDING) {
-		c->reason = reason;
-		count_conn(reason);
-	}
+	conn_passthrough(c, reason);
+	if (c->state == MW_CONN_PASSTHROUGH)
+		remove_active(id, c);
 }
 
 static __always_inline void on_passive_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
@@ -363,27 +491,32 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	struct mw_counters *cnt;
 	struct mw_conn *c;
 	struct mw_conn_id id = { .active_isn1 = rcv_nxt, .passive_isn1 = snd_nxt };
-	__u32 hop;
+	__u32 hop, reason;
+	long err;
 
 	c = bpf_map_lookup_elem(&mw_conns, &id);
 	if (!c)
 		return; /* the connecting socket is not ours: remote host, other cgroup or excluded */
-	if (c->state != MW_CONN_PENDING)
+	if (c->state != MW_CONN_PENDING) {
+		/* Decided before we got here (first byte sent, timeout): release the active side. */
+		if (c->state == MW_CONN_PASSTHROUGH)
+			remove_active(&id, c);
 		return;
+	}
 
 	sockops_tuple(skops, &t);
 	if (bpf_map_lookup_elem(&mw_splice_lport, &t.local.port_host)) {
-		conn_passthrough(c, MW_REASON_SPLICE_READER);
+		passive_gives_up(&id, c, MW_REASON_SPLICE_READER);
 		return;
 	}
 	/* REDIRECT/DNAT rewrite destinations, never the source: it must match. */
 	if (!endpoint_eq(&c->active_local, &t.remote)) {
-		conn_passthrough(c, MW_REASON_ADDR_MISMATCH);
+		passive_gives_up(&id, c, MW_REASON_ADDR_MISMATCH);
 		return;
 	}
 	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 	if (!st) {
-		conn_passthrough(c, MW_REASON_SOCKHASH_FULL);
+		passive_gives_up(&id, c, MW_REASON_SOCKHASH_FULL);
 		return;
 	}
 	st->role = MW_ROLE_PASSIVE;
@@ -392,22 +525,27 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	key.active_cookie = c->active_cookie;
 	key.role = MW_ROLE_PASSIVE;
 	/* Join the hash before announcing PAIRED: the active side redirects to us then. */
-	if (bpf_sock_hash_update(skops, &mw_sock_hash, &key, BPF_NOEXIST)) {
-		cnt = counters();
-		if (cnt)
-			cnt->sockhash_full++;
+	err = bpf_sock_hash_update(skops, &mw_sock_hash, &key, BPF_NOEXIST);
+	if (err) {
+		reason = join_error_reason(err);
+		count_join_error(reason);
 		st->decision = MW_CONN_PASSTHROUGH;
-		st->reason = MW_REASON_SOCKHASH_FULL;
-		conn_passthrough(c, MW_REASON_SOCKHASH_FULL);
+		st->reason = reason;
+		passive_gives_up(&id, c, reason);
 		return;
 	}
 
 	hop = classify_hop(t.local.port_host, c);
 	c->hop = hop;
 	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PAIRED) != MW_CONN_PENDING) {
-		/* The active side already sent its first byte by TCP. */
+		/*
+		 * The active side sent its first byte by TCP (or timed out) since
+		 * we looked: nobody redirected to either socket, both leave.
+		 */
 		st->decision = MW_CONN_PASSTHROUGH;
-		st->reason = MW_REASON_NO_PEER;
+		st->reason = c->reason;
+		remove_socket(&key, c->reason);
+		remove_active(&id, c);
 		return;
 	}
 	st->peer = key;
@@ -442,6 +580,7 @@ static __always_inline void on_close(struct bpf_sock *sk)
 		/* The active side may never have sent, so it may not know yet. */
 		if (c && c->state == MW_CONN_PAIRED)
 			was_paired = true;
+		/* Deleting the entry also cancels its timer. */
 		bpf_map_delete_elem(&mw_conns, &id);
 		st->owns_conn = 0;
 	}
@@ -464,6 +603,11 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	__u32 rcv_nxt = skops->rcv_nxt;
 	struct bpf_sock *sk = skops->sk;
 
+	/* RWND_INIT runs on a request socket (not a full one: sk is NULL). Never set reply. */
+	if (op == BPF_SOCK_OPS_RWND_INIT) {
+		on_syn(skops);
+		return 1;
+	}
 	if (!sk)
 		return 1;
 	switch (op) {

@@ -57,7 +57,10 @@ enum mw_reason {
 	MW_REASON_ADDR_MISMATCH = 5,  /* peer's source endpoint differs (SNAT): cannot prove the pair */
 	MW_REASON_POLICY = 6,         /* excluded by port/CIDR policy */
 	MW_REASON_SPLICE_READER = 7,  /* a socket on this port was read with splice(2) */
-	MW_REASON_MAX = 8,
+	MW_REASON_NO_LOCAL_PEER = 8,  /* no listener of the attached cgroup saw this connection's SYN */
+	MW_REASON_UNPAIRED_TIMEOUT = 9, /* the peer did not join within unpaired_timeout_ns */
+	MW_REASON_SOCKMAP_BUSY = 10,  /* another program's sockmap already owns the socket's sk_msg */
+	MW_REASON_MAX = 11,
 };
 
 /* Which mesh hop a paired connection is. */
@@ -75,13 +78,19 @@ struct mw_endpoint {
 	__u32 port_host;
 };
 
-/* mw_conns value, created by the active side at ESTABLISHED. */
+/*
+ * mw_conns value, created by the active side at ESTABLISHED. Its timer takes
+ * the active socket out of mw_sock_hash if the connection is not PAIRED
+ * within unpaired_timeout_ns.
+ */
 struct mw_conn {
+	struct bpf_timer unpaired_timer;
 	__u64 active_cookie;
 	struct mw_endpoint active_local; /* what the passive side must see as its remote */
 	__u32 state;                     /* enum mw_conn_state; changed only by cmpxchg */
-	__u32 reason;                    /* enum mw_reason when PASSTHROUGH */
-	__u32 hop;                       /* enum mw_hop, written before state becomes PAIRED */
+	/* Typed as the enums (4 bytes each) so they reach BTF: Go reads their names there. */
+	enum mw_reason reason;           /* when PASSTHROUGH */
+	enum mw_hop hop;                 /* written before state becomes PAIRED */
 	__u32 active_is_sidecar;         /* the connecting socket belongs to the sidecar uid */
 };
 
@@ -110,6 +119,8 @@ struct mw_counters {
 	__u64 hop_msgs[MW_HOP_MAX];
 	__u64 hop_bytes[MW_HOP_MAX];
 	__u64 splice_socket_reads; /* splice(2) from a socket by a process in the cgroup */
+	/* Sockets taken out of mw_sock_hash again, by the reason of their connection. */
+	__u64 sockets_removed[MW_REASON_MAX];
 };
 
 /* mw_splice_procs value: a process that read a socket with splice(2). */

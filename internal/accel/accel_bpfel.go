@@ -20,12 +20,16 @@ type accelMwCidrKey struct {
 }
 
 type accelMwConn struct {
-	_               structs.HostLayout
+	_             structs.HostLayout
+	UnpairedTimer struct {
+		_      structs.HostLayout
+		Opaque [2]uint64
+	}
 	ActiveCookie    uint64
 	ActiveLocal     accelMwEndpoint
 	State           uint32
-	Reason          uint32
-	Hop             uint32
+	Reason          accelMwReason
+	Hop             accelMwHop
 	ActiveIsSidecar uint32
 	_               [4]byte
 }
@@ -43,13 +47,14 @@ type accelMwCounters struct {
 	RedirectedMsgs    uint64
 	RedirectedBytes   uint64
 	SockhashFull      uint64
-	PassthroughMsgs   [8]uint64
-	PassthroughBytes  [8]uint64
-	PassthroughConns  [8]uint64
+	PassthroughMsgs   [11]uint64
+	PassthroughBytes  [11]uint64
+	PassthroughConns  [11]uint64
 	HopConns          [4]uint64
 	HopMsgs           [4]uint64
 	HopBytes          [4]uint64
 	SpliceSocketReads uint64
+	SocketsRemoved    [11]uint64
 }
 
 type accelMwEndpoint struct {
@@ -58,11 +63,38 @@ type accelMwEndpoint struct {
 	PortHost uint32
 }
 
+type accelMwHop uint32
+
+const (
+	accelMwHopMW_HOP_DIRECT             accelMwHop = 0
+	accelMwHopMW_HOP_APP_TO_SIDECAR     accelMwHop = 1
+	accelMwHopMW_HOP_SIDECAR_TO_SIDECAR accelMwHop = 2
+	accelMwHopMW_HOP_SIDECAR_TO_APP     accelMwHop = 3
+	accelMwHopMW_HOP_MAX                accelMwHop = 4
+)
+
 type accelMwPolicyCfg struct {
 	_               structs.HostLayout
 	IncludePortsSet uint32
 	IncludeCidrsSet uint32
 }
+
+type accelMwReason uint32
+
+const (
+	accelMwReasonMW_REASON_NONE             accelMwReason = 0
+	accelMwReasonMW_REASON_NO_PEER          accelMwReason = 1
+	accelMwReasonMW_REASON_PEER_CLOSED      accelMwReason = 2
+	accelMwReasonMW_REASON_SOCKHASH_FULL    accelMwReason = 3
+	accelMwReasonMW_REASON_KEY_COLLISION    accelMwReason = 4
+	accelMwReasonMW_REASON_ADDR_MISMATCH    accelMwReason = 5
+	accelMwReasonMW_REASON_POLICY           accelMwReason = 6
+	accelMwReasonMW_REASON_SPLICE_READER    accelMwReason = 7
+	accelMwReasonMW_REASON_NO_LOCAL_PEER    accelMwReason = 8
+	accelMwReasonMW_REASON_UNPAIRED_TIMEOUT accelMwReason = 9
+	accelMwReasonMW_REASON_SOCKMAP_BUSY     accelMwReason = 10
+	accelMwReasonMW_REASON_MAX              accelMwReason = 11
+)
 
 type accelMwSkState struct {
 	_        structs.HostLayout
@@ -105,12 +137,14 @@ const (
 	accelMapMwSpliceProcs       = "mw_splice_procs"
 	accelMapMwSpliceRport       = "mw_splice_rport"
 	accelMapMwStats             = "mw_stats"
+	accelMapMwSynHint           = "mw_syn_hint"
 	accelProgMwSkmsg            = "mw_skmsg"
 	accelProgMwSockops          = "mw_sockops"
 	accelProgMwSpliceWatch      = "mw_splice_watch"
 	accelVarInboundCapturePort  = "inbound_capture_port"
 	accelVarOutboundCapturePort = "outbound_capture_port"
 	accelVarSidecarUid          = "sidecar_uid"
+	accelVarUnpairedTimeoutNs   = "unpaired_timeout_ns"
 )
 
 // loadAccel returns the embedded CollectionSpec for accel.
@@ -176,6 +210,7 @@ type accelMapSpecs struct {
 	MwSpliceProcs *ebpf.MapSpec `ebpf:"mw_splice_procs"`
 	MwSpliceRport *ebpf.MapSpec `ebpf:"mw_splice_rport"`
 	MwStats       *ebpf.MapSpec `ebpf:"mw_stats"`
+	MwSynHint     *ebpf.MapSpec `ebpf:"mw_syn_hint"`
 }
 
 // accelVariableSpecs contains global variables before they are loaded into the kernel.
@@ -185,6 +220,7 @@ type accelVariableSpecs struct {
 	InboundCapturePort  *ebpf.VariableSpec `ebpf:"inbound_capture_port"`
 	OutboundCapturePort *ebpf.VariableSpec `ebpf:"outbound_capture_port"`
 	SidecarUid          *ebpf.VariableSpec `ebpf:"sidecar_uid"`
+	UnpairedTimeoutNs   *ebpf.VariableSpec `ebpf:"unpaired_timeout_ns"`
 }
 
 // accelObjects contains all objects after they have been loaded into the kernel.
@@ -219,6 +255,7 @@ type accelMaps struct {
 	MwSpliceProcs *ebpf.Map `ebpf:"mw_splice_procs"`
 	MwSpliceRport *ebpf.Map `ebpf:"mw_splice_rport"`
 	MwStats       *ebpf.Map `ebpf:"mw_stats"`
+	MwSynHint     *ebpf.Map `ebpf:"mw_syn_hint"`
 }
 
 func (m *accelMaps) Close() error {
@@ -235,6 +272,7 @@ func (m *accelMaps) Close() error {
 		m.MwSpliceProcs,
 		m.MwSpliceRport,
 		m.MwStats,
+		m.MwSynHint,
 	)
 }
 
@@ -245,6 +283,7 @@ type accelVariables struct {
 	InboundCapturePort  *ebpf.Variable `ebpf:"inbound_capture_port"`
 	OutboundCapturePort *ebpf.Variable `ebpf:"outbound_capture_port"`
 	SidecarUid          *ebpf.Variable `ebpf:"sidecar_uid"`
+	UnpairedTimeoutNs   *ebpf.Variable `ebpf:"unpaired_timeout_ns"`
 }
 
 // accelPrograms contains all programs after they have been loaded into the kernel.

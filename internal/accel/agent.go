@@ -338,6 +338,24 @@ func unpinNew(dir string, before map[string]bool) {
 	}
 }
 
+// SockhashCookies lists the socket cookies (SO_COOKIE) of the sockets in
+// mw_sock_hash right now: the sockets whose bytes meshwarp may redirect.
+func (a *Agent) SockhashCookies() ([]uint64, error) {
+	var (
+		key     accelMwSockKey
+		cookie  uint64
+		cookies []uint64
+	)
+	it := a.objs.MwSockHash.Iterate()
+	for it.Next(&key, &cookie) {
+		cookies = append(cookies, cookie)
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("read mw_sock_hash: %w", err)
+	}
+	return cookies, nil
+}
+
 // Stats reads the counters.
 func (a *Agent) Stats() (Stats, error) {
 	s, err := readStats(a.objs.MwStats)
@@ -391,19 +409,19 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 		errs = append(errs, a.skmsg.Unpin(), a.skmsg.Close())
 		a.skmsg = nil
 	}
-	errs = append(errs, unpinMaps(&a.objs))
+	errs = append(errs, unpinMaps(a.cfg.PinDir))
 	errs = append(errs, a.Close())
 	errs = append(errs, removePinDir(a.cfg.PinDir))
 	a.logger.Info("acceleration uninstalled", "pin_dir", a.cfg.PinDir, "open_accelerated_sockets", openSockets)
 	return openSockets, errors.Join(errs...)
 }
 
-func unpinMaps(objs *accelObjects) error {
+// unpinMaps removes the pins of every map the object pins by name.
+func unpinMaps(pinDir string) error {
 	var errs []error
-	for _, m := range []*ebpf.Map{objs.MwSockHash, objs.MwConns, objs.MwSkStore, objs.MwStats,
-		objs.MwPolicy, objs.MwPortPolicy, objs.MwCidrIncl, objs.MwCidrExcl, objs.MwSpliceProcs, objs.MwSpliceLport, objs.MwSpliceRport} {
-		if m != nil && m.IsPinned() {
-			errs = append(errs, m.Unpin())
+	for _, name := range mapNames() {
+		if err := os.Remove(filepath.Join(pinDir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("unpin %s: %w", name, err))
 		}
 	}
 	return errors.Join(errs...)

@@ -5,8 +5,10 @@ package accel
 import (
 	"fmt"
 	"path/filepath"
+	"strings"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/btf"
 )
 
 // Stats are cumulative counters read from the pinned maps (they survive
@@ -21,8 +23,12 @@ type Stats struct {
 	// PassthroughConnections counts connections left to TCP, by reason
 	// (including those never seen by sk_msg, such as policy exclusions).
 	PassthroughConnections map[string]uint64 `json:"passthrough_connections_by_reason"`
-	PairedSockets          uint64            `json:"paired_sockets_total"`
-	SockhashFull           uint64            `json:"sockhash_full"`
+	// RemovedSockets counts sockets taken out of the SOCKHASH again because
+	// their connection was left to TCP, by reason: the kernel gives them
+	// plain TCP back. Sockets of no_local_peer connections never join it.
+	RemovedSockets map[string]uint64 `json:"removed_sockets_by_reason"`
+	PairedSockets  uint64            `json:"paired_sockets_total"`
+	SockhashFull   uint64            `json:"sockhash_full"`
 	// Hops splits the redirect counters by mesh hop.
 	Hops map[string]HopStats `json:"hops"`
 	// SpliceSocketReads counts splice(2) calls reading a socket by processes
@@ -39,15 +45,40 @@ type HopStats struct {
 	RedirectedBytes    uint64 `json:"redirected_bytes"`
 }
 
-// Reason names, indexed by enum mw_reason (bpf/accel/accel.h; keep in sync).
-var reasonNames = [...]string{
-	"none", "no_peer", "peer_closed", "sockhash_full", "key_collision", "addr_mismatch", "policy", "splice_reader",
+// Reason and hop names come from the C enums in the object's BTF
+// (MW_REASON_NO_PEER -> "no_peer"), indexed by value: bpf/accel/accel.h is
+// the only list.
+var (
+	reasonNames = mustEnumNames("mw_reason", "MW_REASON_")
+	hopNames    = mustEnumNames("mw_hop", "MW_HOP_")
+)
+
+// mustEnumNames lists the values of a C enum as lowercase names without
+// prefix, indexed by value; the trailing *_MAX sentinel is left out.
+func mustEnumNames(enum, prefix string) []string {
+	spec, err := loadAccel()
+	if err != nil {
+		panic(fmt.Sprintf("embedded accel object: %v", err))
+	}
+	var e *btf.Enum
+	if err := spec.Types.TypeByName(enum, &e); err != nil {
+		panic(fmt.Sprintf("enum %s not in the accel object's BTF: %v", enum, err))
+	}
+	var names []string
+	for _, v := range e.Values {
+		name := strings.TrimPrefix(v.Name, prefix)
+		if name == "MAX" {
+			continue
+		}
+		for uint64(len(names)) <= v.Value {
+			names = append(names, "")
+		}
+		names[v.Value] = strings.ToLower(name)
+	}
+	return names
 }
 
-// Hop names, indexed by enum mw_hop (bpf/accel/accel.h; keep in sync).
-var hopNames = [...]string{"direct", "app_to_sidecar", "sidecar_to_sidecar", "sidecar_to_app"}
-
-// ReasonNames lists every passthrough reason (for metrics and docs).
+// ReasonNames lists every passthrough reason (for metrics and docs); "none" is left out.
 func ReasonNames() []string { return append([]string(nil), reasonNames[1:]...) }
 
 // HopNames lists every hop kind.
@@ -95,6 +126,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 			t.PassthroughMsgs[i] += c.PassthroughMsgs[i]
 			t.PassthroughBytes[i] += c.PassthroughBytes[i]
 			t.PassthroughConns[i] += c.PassthroughConns[i]
+			t.SocketsRemoved[i] += c.SocketsRemoved[i]
 		}
 		for i := range t.HopConns {
 			t.HopConns[i] += c.HopConns[i]
@@ -110,6 +142,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 		SpliceSocketReads:      t.SpliceSocketReads,
 		PassthroughByReason:    map[string]uint64{},
 		PassthroughConnections: map[string]uint64{},
+		RemovedSockets:         map[string]uint64{},
 		Hops:                   map[string]HopStats{},
 	}
 	// Per-CPU counters are summed without a lock, so a close counted on one
@@ -123,6 +156,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 		}
 		s.PassthroughByReason[name] = t.PassthroughMsgs[i]
 		s.PassthroughConnections[name] = t.PassthroughConns[i]
+		s.RemovedSockets[name] = t.SocketsRemoved[i]
 		s.PassthroughMessages += t.PassthroughMsgs[i]
 		s.PassthroughBytes += t.PassthroughBytes[i]
 	}
@@ -149,6 +183,7 @@ func (s Stats) Sub(before Stats) Stats {
 	d.SpliceSocketReads -= before.SpliceSocketReads
 	d.PassthroughByReason = subMap(s.PassthroughByReason, before.PassthroughByReason)
 	d.PassthroughConnections = subMap(s.PassthroughConnections, before.PassthroughConnections)
+	d.RemovedSockets = subMap(s.RemovedSockets, before.RemovedSockets)
 	d.Hops = map[string]HopStats{}
 	for k, v := range s.Hops {
 		b := before.Hops[k]

@@ -91,9 +91,23 @@ func ownCgroup() (string, error) {
 // and removes whatever is left there on cleanup.
 func PinDir(t testing.TB) string {
 	t.Helper()
+	ensureBPFFS(t)
 	dir := filepath.Join("/sys/fs/bpf", fmt.Sprintf("meshwarp-test-%d-%s", os.Getpid(), sanitize(t.Name())))
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	return dir
+}
+
+// ensureBPFFS mounts bpffs at /sys/fs/bpf when nothing is mounted there, as
+// `meshwarp run` and `meshwarp probe` do; the mount stays, like theirs.
+func ensureBPFFS(t testing.TB) {
+	t.Helper()
+	var fs unix.Statfs_t
+	if err := unix.Statfs("/sys/fs/bpf", &fs); err == nil && fs.Type == unix.BPF_FS_MAGIC {
+		return
+	}
+	if err := unix.Mount("bpf", "/sys/fs/bpf", "bpf", 0, ""); err != nil {
+		t.Fatalf("bpffs not mounted at /sys/fs/bpf and mounting it failed: %v", err)
+	}
 }
 
 func sanitize(s string) string {
