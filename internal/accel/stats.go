@@ -36,6 +36,53 @@ type Stats struct {
 	// cannot see redirected bytes: exclude its ports.
 	SpliceSocketReads uint64         `json:"splice_socket_reads"`
 	SpliceReaders     []SpliceReader `json:"splice_readers,omitempty"`
+	// OtherSockmapPrograms lists sock_ops and sk_msg programs on this node
+	// that are not meshwarp's (filled by ReadPinnedStats).
+	OtherSockmapPrograms []ProgramRef `json:"other_sockmap_programs,omitempty"`
+}
+
+// ProgramRef names a loaded BPF program.
+type ProgramRef struct {
+	ID   uint32 `json:"id"`
+	Name string `json:"name"`
+	Type string `json:"type"`
+}
+
+// OtherSockmapPrograms lists the loaded sock_ops and sk_msg programs that
+// meshwarp did not load: another tool (a CNI, a tracer, a mesh's own
+// sockmap) whose programs run beside meshwarp's on the same sockets.
+func OtherSockmapPrograms() ([]ProgramRef, error) {
+	ours := map[string]bool{}
+	spec, err := loadAccel()
+	if err != nil {
+		return nil, err
+	}
+	for name := range spec.Programs {
+		ours[name] = true
+	}
+	var out []ProgramRef
+	var id ebpf.ProgramID
+	for {
+		next, err := ebpf.ProgramGetNextID(id)
+		if err != nil {
+			break // ErrNotExist: the end of the list
+		}
+		id = next
+		p, err := ebpf.NewProgramFromID(id)
+		if err != nil {
+			continue // unloaded meanwhile
+		}
+		info, err := p.Info()
+		p.Close()
+		if err != nil || ours[info.Name] {
+			continue
+		}
+		switch info.Type {
+		case ebpf.SockOps, ebpf.SkMsg:
+			out = append(out, ProgramRef{ID: uint32(id), Name: info.Name, Type: info.Type.String()})
+		}
+	}
+	return out, nil
 }
 
 // HopStats counts one hop kind.
@@ -101,6 +148,10 @@ func ReadPinnedStats(pinDir string) (Stats, error) {
 		return s, err
 	}
 	s.SpliceReaders, err = pinnedSpliceReaders(pinDir)
+	if err != nil {
+		return s, err
+	}
+	s.OtherSockmapPrograms, err = OtherSockmapPrograms()
 	return s, err
 }
 

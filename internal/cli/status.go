@@ -28,15 +28,25 @@ attached). Counters are cumulative across agent restarts.
 
   accelerated_sockets     sockets paired right now (both ends of a connection count)
   redirected_*            bytes/messages moved socket-to-socket
-  passthrough_*           traffic of tracked sockets that used the normal stack, by reason:
+  passthrough_*           traffic and connections that used the normal stack, by reason:
+    no_local_peer   no listener of the attached cgroup answered this connection's SYN
+                    from the client's address: a remote server, a server outside the
+                    cgroup, or source NAT. The socket never joined the data path.
     no_peer         the first byte was sent before (or without) a local peer socket
+    unpaired_timeout the peer socket did not join within the unpaired timeout
     peer_closed     the peer socket had closed; TCP answers as without meshwarp
     sockhash_full   --capacity reached
+    sockmap_busy    another program's sockmap already runs an sk_msg program on the socket
     key_collision   two live connections drew the same identity (both left to TCP)
     addr_mismatch   the peer saw another source address (SNAT): not provably a pair
     policy          excluded by port/CIDR policy (connections only)
     splice_reader   a socket on the same port was read with splice(2), which cannot see
                     redirected bytes: later connections on that port stay on TCP
+  removed_sockets_by_reason  sockets taken out of the SOCKHASH again once their
+                          connection was left to TCP: from then on they are plain TCP
+                          sockets (no per-message cost, native FIONREAD and splice)
+  other_sockmap_programs  sock_ops/sk_msg programs of other tools on this node; a socket
+                          whose sk_msg belongs to them stays on TCP (sockmap_busy)
   hops                    per mesh hop: app_to_sidecar, sidecar_to_sidecar, sidecar_to_app, direct
   splice_*                processes of the cgroup that read sockets with splice(2), which
                           cannot see redirected bytes (watched while 'meshwarp run' runs)`,
@@ -73,7 +83,7 @@ func printStatus(w io.Writer, pinDir string, s accel.Stats) {
 		if s.PassthroughByReason[r] == 0 && s.PassthroughConnections[r] == 0 {
 			continue
 		}
-		fmt.Fprintf(tw, "  %s\t%d messages, %d connections\n", r, s.PassthroughByReason[r], s.PassthroughConnections[r])
+		fmt.Fprintf(tw, "  %s\t%d messages, %d connections, %d sockets removed\n", r, s.PassthroughByReason[r], s.PassthroughConnections[r], s.RemovedSockets[r])
 	}
 	fmt.Fprintf(tw, "sockhash full\t%d\n", s.SockhashFull)
 	tw.Flush()
@@ -85,6 +95,13 @@ func printStatus(w io.Writer, pinDir string, s accel.Stats) {
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t\n", h, hs.PairedConnections, hs.RedirectedMessages, hs.RedirectedBytes)
 	}
 	tw.Flush()
+	if len(s.OtherSockmapPrograms) > 0 {
+		fmt.Fprintf(w, "\nnote: other sock_ops/sk_msg programs run on this node; both run, and a socket whose\n"+
+			"sk_msg program is theirs stays on TCP (passthrough reason sockmap_busy):\n")
+		for _, p := range s.OtherSockmapPrograms {
+			fmt.Fprintf(w, "  %s program id %d %q\n", p.Type, p.ID, p.Name)
+		}
+	}
 	if s.SpliceSocketReads > 0 {
 		fmt.Fprintf(w, "\nwarning: %d splice(2) reads from sockets in the accelerated cgroup. A socket read with\n"+
 			"splice cannot see redirected bytes: exclude the ports of these processes (--exclude-ports):\n", s.SpliceSocketReads)

@@ -37,6 +37,8 @@ var (
 		"Messages of tracked sockets sent through the normal TCP stack, by reason.", []string{"reason"}, nil)
 	descPassConns = prometheus.NewDesc("meshwarp_accel_passthrough_connections_total",
 		"Connections left to the normal TCP stack, by reason.", []string{"reason"}, nil)
+	descRemoved = prometheus.NewDesc("meshwarp_accel_removed_sockets_total",
+		"Sockets taken out of the SOCKHASH again because their connection was left to TCP (plain TCP from then on), by reason.", []string{"reason"}, nil)
 	descFull = prometheus.NewDesc("meshwarp_accel_sockhash_full_total",
 		"Sockets not accelerated because the SOCKHASH was at capacity.", nil, nil)
 	descHopConns = prometheus.NewDesc("meshwarp_accel_hop_paired_connections_total",
@@ -56,7 +58,7 @@ type accelCollector struct{ read StatsFunc }
 
 func (c accelCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descSockets, descRedirBytes, descRedirMsgs, descPassMsgs,
-		descPassConns, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descScrapeErr} {
+		descPassConns, descRemoved, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descScrapeErr} {
 		ch <- d
 	}
 }
@@ -76,6 +78,7 @@ func (c accelCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, r := range accel.ReasonNames() {
 		ch <- prometheus.MustNewConstMetric(descPassMsgs, prometheus.CounterValue, float64(s.PassthroughByReason[r]), r)
 		ch <- prometheus.MustNewConstMetric(descPassConns, prometheus.CounterValue, float64(s.PassthroughConnections[r]), r)
+		ch <- prometheus.MustNewConstMetric(descRemoved, prometheus.CounterValue, float64(s.RemovedSockets[r]), r)
 	}
 	for _, h := range accel.HopNames() {
 		hs := s.Hops[h]
