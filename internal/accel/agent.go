@@ -480,6 +480,10 @@ func Cleanup(pinDir string) (CleanupResult, error) {
 	return res, errors.Join(errs...)
 }
 
+// Spec is the acceleration object as built (bpf/accel/accel.bpf.c), before
+// the loader's settings: what it needs from the kernel.
+func Spec() (*ebpf.CollectionSpec, error) { return loadAccel() }
+
 func mapNames() []string {
 	spec, err := loadAccel()
 	if err != nil {

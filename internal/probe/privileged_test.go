@@ -50,7 +50,7 @@ func TestPrivilegedProbe(t *testing.T) {
 		t.Error("no kernel release")
 	}
 	for _, name := range []string{CheckBPFFS, CheckBPFFSWritable, CheckCgroup2, CheckBTF, CheckAtomicCmpXchg,
-		CheckCgroupLink, CheckSockmapLink, "sock_ops: bpf_get_netns_cookie", "sk_msg: bpf_msg_redirect_hash", "map SOCKHASH"} {
+		CheckCgroupLink, CheckSockmapLink, "sock_ops: bpf_timer_init", "sk_msg: bpf_msg_redirect_hash", "map SOCKHASH"} {
 		if _, ok := r.Check(name); !ok {
 			t.Errorf("no %q row", name)
 		}

@@ -64,6 +64,7 @@ const (
 	CheckAtomicCmpXchg = "atomic cmpxchg"
 	CheckCgroupLink    = "link cgroup sock_ops"
 	CheckSockmapLink   = "link sk_msg sockhash"
+	CheckSpliceLimit   = "splice of accelerated sockets"
 )
 
 const verdictReady = "ready: this kernel can accelerate"

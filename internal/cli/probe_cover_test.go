@@ -1,0 +1,22 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package cli
+
+import (
+	"testing"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/probe"
+)
+
+// A "ready" probe must mean `meshwarp run` can load its programs: every
+// program type, map type and helper the BPF object uses has a probe check.
+func TestProbeCoversAccelObject(t *testing.T) {
+	spec, err := accel.Spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, u := range probe.Uncovered(spec) {
+		t.Errorf("the probe does not check %s: add it to internal/probe/run.go", u)
+	}
+}
