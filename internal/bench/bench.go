@@ -88,6 +88,10 @@ type Options struct {
 	// QperfLoopback runs qperf inside the server pod against 127.0.0.1
 	// (two sockets of one pod) instead of from the client pod.
 	QperfLoopback bool
+	// QperfUnpaired runs qperf against a server outside the lab cgroup: a
+	// connection the agent cannot pair (what it costs traffic it does not
+	// accelerate, such as connections to other hosts).
+	QperfUnpaired bool
 
 	// KeepLab keeps a lab that bench brought up itself.
 	KeepLab bool

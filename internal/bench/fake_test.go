@@ -24,3 +24,6 @@ func (fakeEnv) ClientCommand(ctx context.Context, name string, args ...string) *
 func (fakeEnv) ServerCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
 	return exec.CommandContext(ctx, name, args...)
 }
+func (fakeEnv) OutsideServerCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
+	return exec.CommandContext(ctx, name, args...)
+}

@@ -35,6 +35,9 @@ func (e labEnv) ClientCommand(ctx context.Context, name string, args ...string) 
 func (e labEnv) ServerCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
 	return e.l.Command(ctx, e.l.Server(), name, args...)
 }
+func (e labEnv) OutsideServerCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
+	return exec.CommandContext(ctx, "ip", append([]string{"netns", "exec", e.l.Server().Netns, name}, args...)...)
+}
 func (e labEnv) SetCapture(on bool) error                  { return e.l.SetCapture(on) }
 func (e labEnv) RestartSidecars(ctx context.Context) error { return e.l.RestartSidecars(ctx) }
 func (e labEnv) CgroupPath() string                        { return e.l.CgroupPath() }

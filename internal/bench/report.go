@@ -115,6 +115,7 @@ type Config struct {
 	TCPTarget              string   `json:"tcp_target,omitempty"`
 	QperfTarget            string   `json:"qperf_target,omitempty"`
 	QperfLoopback          bool     `json:"qperf_loopback,omitempty"`
+	QperfUnpaired          bool     `json:"qperf_unpaired,omitempty"`
 	Quick                  bool     `json:"quick"`
 	Interleaving           string   `json:"interleaving"`
 	CPUAccounting          string   `json:"cpu_accounting"`

@@ -34,6 +34,10 @@ type Env interface {
 	ClientCommand(ctx context.Context, name string, args ...string) *exec.Cmd
 	// ServerCommand is ClientCommand in the server pod.
 	ServerCommand(ctx context.Context, name string, args ...string) *exec.Cmd
+	// OutsideServerCommand runs name in the server pod's network namespace
+	// but outside the lab cgroup (in the bench's own): its sockets are not
+	// the agent's, like a server on another host.
+	OutsideServerCommand(ctx context.Context, name string, args ...string) *exec.Cmd
 	// SetCapture turns the sidecars' iptables capture on or off.
 	SetCapture(on bool) error
 	// RestartSidecars restarts the sidecar proxies (drops pooled connections).
@@ -192,6 +196,13 @@ func (r *runner) plan() (int, time.Duration) {
 }
 
 func (r *runner) runAll(ctx context.Context) error {
+	if r.opts.QperfUnpaired && r.opts.hasWorkload(WorkloadQperf) {
+		stop, err := r.startOutsideQperf(ctx)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
 	for rep := range r.opts.Repeat {
 		for _, mode := range r.opts.Modes {
 			if len(r.fortioWorkloads()) == 0 {
@@ -422,8 +433,45 @@ func FortioSample(mode, workload string, rep int, res WorkerResult, cpuSeconds f
 	return s
 }
 
+// unpairedQperfPort is the control port of --qperf-unpaired's server.
+const unpairedQperfPort = 19766
+
+// startOutsideQperf starts the qperf server of --qperf-unpaired outside the
+// lab cgroup and waits until it listens; stop kills it.
+func (r *runner) startOutsideQperf(ctx context.Context) (stop func(), err error) {
+	cmd := r.env.OutsideServerCommand(ctx, "qperf", "--listen_port", strconv.Itoa(unpairedQperfPort))
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start qperf server outside the lab cgroup: %w", err)
+	}
+	stop = func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	}
+	probe := fmt.Sprintf("sport = :%d", unpairedQperfPort)
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		out, _ := r.env.OutsideServerCommand(ctx, "ss", "-Hltn", probe).Output()
+		if len(bytes.TrimSpace(out)) > 0 {
+			return stop, nil
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			stop()
+			return nil, fmt.Errorf("qperf server outside the lab cgroup did not listen on :%d within 10s", unpairedQperfPort)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// qperfListenPort is the qperf server's control port.
+func (r *runner) qperfListenPort() (listen, data int) {
+	listen, data = r.env.QperfPorts()
+	if r.opts.QperfUnpaired {
+		listen = unpairedQperfPort
+	}
+	return listen, data
+}
+
 func (r *runner) qperfArgs(test string, size int) []string {
-	listen, data := r.env.QperfPorts()
+	listen, data := r.qperfListenPort()
 	args := []string{r.qperfHost().String(), "-lp", strconv.Itoa(listen)}
 	if data != 0 {
 		args = append(args, "-ip", strconv.Itoa(data))
@@ -603,9 +651,10 @@ func (r *runner) config() Config {
 		c.TCPTarget = r.tcpTarget()
 	}
 	if o.hasWorkload(WorkloadQperf) {
-		listen, _ := r.env.QperfPorts()
+		listen, _ := r.qperfListenPort()
 		c.QperfTarget = netip.AddrPortFrom(r.qperfHost(), uint16(listen)).String()
 		c.QperfLoopback = o.QperfLoopback
+		c.QperfUnpaired = o.QperfUnpaired
 		for _, m := range o.Modes {
 			if !(ModeCapture(m) && r.qperfCaptureBroken) {
 				c.QperfModes = append(c.QperfModes, m)

@@ -57,6 +57,12 @@ func (e *loopEnv) ServerCommand(ctx context.Context, name string, args ...string
 	return exec.CommandContext(ctx, name, args...)
 }
 
+// OutsideServerCommand is used by --qperf-unpaired.
+func (e *loopEnv) OutsideServerCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
+	e.record("outside-" + name)
+	return exec.CommandContext(ctx, name, args...)
+}
+
 func (e *loopEnv) ClientCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
 	if name == "qperf" {
 		e.record("qperf")

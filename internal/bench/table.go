@@ -296,8 +296,12 @@ func sizeLabel(n int) string {
 
 // qperfWhere says which two sockets qperf measured.
 func qperfWhere(c Config) string {
+	where := "pod to pod"
 	if c.QperfLoopback {
-		return "over loopback inside the server pod"
+		where = "over loopback inside the server pod"
 	}
-	return "pod to pod"
+	if c.QperfUnpaired {
+		where += ", server outside the agent's cgroup (not pairable)"
+	}
+	return where
 }

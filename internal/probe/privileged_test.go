@@ -17,7 +17,12 @@ import (
 func requireRoot(t *testing.T) {
 	t.Helper()
 	if os.Geteuid() != 0 {
-		t.Skip("needs root: loads BPF programs, attaches links, mounts bpffs (run the tests as root, e.g. sudo go test)")
+		const why = "needs root: loads BPF programs, attaches links, mounts bpffs (run the tests as root, e.g. sudo go test)"
+		// testutil.RequireEnv (testutil imports this package, so not by name).
+		if os.Getenv("MESHWARP_REQUIRE_PRIVILEGED") != "" {
+			t.Fatal(why)
+		}
+		t.Skip(why)
 	}
 }
 

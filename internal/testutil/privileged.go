@@ -20,13 +20,22 @@ import (
 	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
+// RequireEnv, when set (scripts/test.sh and CI set it), turns a skipped
+// privileged test into a failure: a green run must mean the invariants ran.
+const RequireEnv = "MESHWARP_REQUIRE_PRIVILEGED"
+
 // RequirePrivileged skips t unless it runs as root (privileged tests attach
-// BPF programs, create namespaces and cgroups).
+// BPF programs, create namespaces and cgroups); with RequireEnv set it fails.
 func RequirePrivileged(t testing.TB) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("privileged test: needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN); run `make test` as root")
+	if os.Geteuid() == 0 {
+		return
 	}
+	const why = "privileged test: needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN); run ./scripts/test.sh as root"
+	if os.Getenv(RequireEnv) != "" {
+		t.Fatal(why + " (" + RequireEnv + " is set: a skip would hide untested invariants)")
+	}
+	t.Skip(why)
 }
 
 var cgroupMu sync.Mutex
