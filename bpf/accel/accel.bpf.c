@@ -55,17 +55,17 @@
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
-/* Set by the loader before load (RewriteConstants). */
-const volatile __u32 sidecar_uid = 1337;
-const volatile __u32 outbound_capture_port = 15001;
-const volatile __u32 inbound_capture_port = 15006;
+/* Set by the loader before load; the defaults live in internal/accel (Config). */
+const volatile __u32 sidecar_uid;
+const volatile __u32 outbound_capture_port;
+const volatile __u32 inbound_capture_port;
 
 /*
  * How long a hinted active socket may wait in mw_sock_hash for its peer. The
  * peer is on this node: its ESTABLISHED follows within microseconds unless
  * the handshake's last ACK is lost.
  */
-const volatile __u64 unpaired_timeout_ns = 10 * 1000 * 1000;
+const volatile __u64 unpaired_timeout_ns;
 /* A SYN hint older than this is stale (a SYN-ACK round trip on one node is far shorter). */
 #define MW_SYN_HINT_TTL_NS (1000ULL * 1000 * 1000)
 

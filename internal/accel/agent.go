@@ -19,11 +19,14 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
+
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
 // DefaultPinDir is where the agent pins what must survive a restart.
@@ -33,9 +36,20 @@ const DefaultPinDir = "/sys/fs/bpf/meshwarp"
 // or pin directory that does not fit); the CLI maps it to a usage exit code.
 var ErrBadConfig = errors.New("bad configuration")
 
-// ErrNotReady marks a refusal caused by the machine (read-only bpffs,
-// missing privileges); the CLI maps it to the "not ready" exit code.
-var ErrNotReady = errors.New("machine not ready")
+// Istio's sidecar conventions, the defaults of every meshwarp component (the
+// agent's hop names, the lab's capture and proxies, the bench): the one home
+// of these numbers.
+const (
+	DefaultSidecarUID   = 1337  // the proxy's uid; the capture rules exempt it
+	DefaultOutboundPort = 15001 // sidecar listener for captured outbound TCP
+	DefaultInboundPort  = 15006 // sidecar listener for captured inbound TCP
+)
+
+// DefaultUnpairedTimeout bounds how long a connecting socket whose peer is
+// on this node waits in the SOCKHASH for that peer to be established (a few
+// microseconds normally; milliseconds only when the handshake's last ACK is
+// lost) before it leaves for plain TCP.
+const DefaultUnpairedTimeout = 10 * time.Millisecond
 
 // DefaultCapacity is the default number of sockets (and connections) tracked.
 const DefaultCapacity = 65536
@@ -53,14 +67,16 @@ type Config struct {
 	// PinDir holds pinned maps and links; empty means DefaultPinDir.
 	PinDir string
 	// SidecarUID is the uid the sidecar proxy runs as; it names the sidecar -> app hop.
-	// 0 means the default, Istio's 1337 (root cannot be the sidecar uid).
+	// 0 means DefaultSidecarUID (root cannot be the sidecar uid).
 	SidecarUID uint32
-	// OutboundPort and InboundPort are the sidecar's capture ports (Istio: 15001, 15006); 0 = default.
+	// OutboundPort and InboundPort are the sidecar's capture ports; 0 = the defaults.
 	OutboundPort, InboundPort uint16
 	// Policy decides which connections may be accelerated.
 	Policy Policy
 	// SockhashCapacity bounds the number of accelerated sockets; 0 means DefaultCapacity.
 	SockhashCapacity uint32
+	// UnpairedTimeout: see DefaultUnpairedTimeout; 0 means that.
+	UnpairedTimeout time.Duration
 }
 
 func (c *Config) setDefaults() {
@@ -71,13 +87,16 @@ func (c *Config) setDefaults() {
 		c.SockhashCapacity = DefaultCapacity
 	}
 	if c.SidecarUID == 0 {
-		c.SidecarUID = 1337
+		c.SidecarUID = DefaultSidecarUID
 	}
 	if c.OutboundPort == 0 {
-		c.OutboundPort = 15001
+		c.OutboundPort = DefaultOutboundPort
 	}
 	if c.InboundPort == 0 {
-		c.InboundPort = 15006
+		c.InboundPort = DefaultInboundPort
+	}
+	if c.UnpairedTimeout == 0 {
+		c.UnpairedTimeout = DefaultUnpairedTimeout
 	}
 }
 
@@ -146,14 +165,15 @@ func Start(cfg Config, logger *slog.Logger) (_ *Agent, err error) {
 	}
 	spec.Maps["mw_sock_hash"].MaxEntries = cfg.SockhashCapacity
 	spec.Maps["mw_conns"].MaxEntries = cfg.SockhashCapacity
-	if err := spec.Variables["sidecar_uid"].Set(cfg.SidecarUID); err != nil {
-		return nil, fmt.Errorf("set sidecar_uid: %w", err)
-	}
-	if err := spec.Variables["outbound_capture_port"].Set(uint32(cfg.OutboundPort)); err != nil {
-		return nil, fmt.Errorf("set outbound_capture_port: %w", err)
-	}
-	if err := spec.Variables["inbound_capture_port"].Set(uint32(cfg.InboundPort)); err != nil {
-		return nil, fmt.Errorf("set inbound_capture_port: %w", err)
+	for name, v := range map[string]any{
+		"sidecar_uid":           cfg.SidecarUID,
+		"outbound_capture_port": uint32(cfg.OutboundPort),
+		"inbound_capture_port":  uint32(cfg.InboundPort),
+		"unpaired_timeout_ns":   uint64(cfg.UnpairedTimeout.Nanoseconds()),
+	} {
+		if err := spec.Variables[name].Set(v); err != nil {
+			return nil, fmt.Errorf("set %s: %w", name, err)
+		}
 	}
 	opts := &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinDir}}
 	if err := spec.LoadAndAssign(&a.objs, opts); err != nil {
@@ -306,7 +326,7 @@ func preparePinDir(dir string) (created bool, err error) {
 	}
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		if errors.Is(err, unix.EROFS) || errors.Is(err, unix.EACCES) || errors.Is(err, unix.EPERM) {
-			return false, fmt.Errorf("%w: create pin directory %s: %w (run as root; if bpffs is read-only: mount -o remount,rw %s)", ErrNotReady, dir, err, parent)
+			return false, fmt.Errorf("%w: create pin directory %s: %w (run as root; if bpffs is read-only: mount -o remount,rw %s)", probe.ErrNotReady, dir, err, parent)
 		}
 		return false, fmt.Errorf("create pin directory %s: %w", dir, err)
 	}
@@ -315,7 +335,7 @@ func preparePinDir(dir string) (created bool, err error) {
 
 func checkWritable(dir string) error {
 	if err := unix.Access(dir, unix.W_OK); err != nil {
-		return fmt.Errorf("%w: pin directory %s is not writable: %w (run as root; if bpffs is read-only: mount -o remount,rw %s)", ErrNotReady, dir, err, filepath.Dir(dir))
+		return fmt.Errorf("%w: pin directory %s is not writable: %w (run as root; if bpffs is read-only: mount -o remount,rw %s)", probe.ErrNotReady, dir, err, filepath.Dir(dir))
 	}
 	return nil
 }

@@ -17,6 +17,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/meshwarp/meshwarp/internal/lab"
 )
 
 // Modes.
@@ -48,8 +50,8 @@ const (
 	DefaultResolutionSeconds = 0.00001
 	// DefaultPinDir keeps the bench agent apart from a production agent.
 	DefaultPinDir = "/sys/fs/bpf/meshwarp-bench"
-	// SidecarUID is the uid of the lab's sidecars (Istio's 1337).
-	SidecarUID = 1337
+	// SidecarUID is the uid of the lab's sidecars.
+	SidecarUID = lab.DefaultSidecarUID
 )
 
 // AllModes in their default (interleaving) order.

@@ -136,25 +136,7 @@ func StartAccel(logger *slog.Logger) StartAgentFunc {
 	}
 }
 
-func (x accelAgent) Counters() (AgentCounters, error) {
-	st, err := x.a.Stats()
-	if err != nil {
-		return AgentCounters{}, err
-	}
-	c := AgentCounters{
-		PairedSockets:       st.PairedSockets,
-		RedirectedMessages:  st.RedirectedMessages,
-		RedirectedBytes:     st.RedirectedBytes,
-		PassthroughMessages: st.PassthroughMessages,
-		PassthroughBytes:    st.PassthroughBytes,
-		PassthroughByReason: st.PassthroughByReason,
-		Hops:                map[string]HopCounters{},
-	}
-	for k, h := range st.Hops {
-		c.Hops[k] = HopCounters{PairedConnections: h.PairedConnections, RedirectedMessages: h.RedirectedMessages, RedirectedBytes: h.RedirectedBytes}
-	}
-	return c, nil
-}
+func (x accelAgent) Stats() (accel.Stats, error) { return x.a.Stats() }
 
 func (x accelAgent) Uninstall() error {
 	_, err := x.a.Uninstall()

@@ -10,6 +10,8 @@ import (
 	"os"
 	"slices"
 	"sort"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
 )
 
 // Metric keys: the name of every number carries its unit. The same keys are
@@ -66,12 +68,8 @@ type AgentDelta struct {
 }
 
 // HopCounters counts one hop kind (app_to_sidecar, sidecar_to_sidecar,
-// sidecar_to_app, direct).
-type HopCounters struct {
-	PairedConnections  uint64 `json:"paired_connections"`
-	RedirectedMessages uint64 `json:"redirected_messages"`
-	RedirectedBytes    uint64 `json:"redirected_bytes"`
-}
+// sidecar_to_app, direct): the agent's own shape.
+type HopCounters = accel.HopStats
 
 // Report is the JSON document (docs/bench-schema.json).
 type Report struct {

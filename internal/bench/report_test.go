@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/santhosh-tekuri/jsonschema/v6"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
 )
 
 // fixedHistogram is a small fortio-like histogram centred on center us.
@@ -43,10 +45,10 @@ func fixtureReport(t *testing.T) *Report {
 				}
 				s := FortioSample(m, w, rep, res, 0.05*qps*10/1000)
 				if ModeAgent(m) {
-					s.Agent = AgentCounters{
+					s.Agent = deltaOf(accel.Stats{
 						PairedSockets: 200, RedirectedMessages: 1000, RedirectedBytes: 1e6,
-						Hops: map[string]HopCounters{"app_to_sidecar": {64, 500, 5e5}, "sidecar_to_sidecar": {64, 500, 5e5}, "direct": {}},
-					}.Delta(AgentCounters{})
+						Hops: map[string]HopCounters{"app_to_sidecar": {PairedConnections: 64, RedirectedMessages: 500, RedirectedBytes: 5e5}, "sidecar_to_sidecar": {PairedConnections: 64, RedirectedMessages: 500, RedirectedBytes: 5e5}, "direct": {}},
+					})
 				}
 				samples = append(samples, s)
 			}

@@ -17,6 +17,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
 )
 
 // Env is the lab as the bench uses it; labEnv adapts internal/lab to it
@@ -48,54 +50,29 @@ type Env interface {
 
 // Agent is an attached acceleration agent.
 type Agent interface {
-	Counters() (AgentCounters, error)
+	// Stats reads its cumulative counters (accel.Stats: the one shape of them).
+	Stats() (accel.Stats, error)
 	// Uninstall stops accelerating new connections and removes the pins.
 	Uninstall() error
 }
 
-// AgentCounters are the agent's cumulative counters.
-type AgentCounters struct {
-	PairedSockets       uint64
-	RedirectedMessages  uint64
-	RedirectedBytes     uint64
-	PassthroughMessages uint64
-	PassthroughBytes    uint64
-	PassthroughByReason map[string]uint64
-	Hops                map[string]HopCounters
-}
-
-// Delta returns after - before (counters are cumulative).
-func (after AgentCounters) Delta(before AgentCounters) *AgentDelta {
-	d := &AgentDelta{
-		PairedSockets:       sub(after.PairedSockets, before.PairedSockets),
-		RedirectedMessages:  sub(after.RedirectedMessages, before.RedirectedMessages),
-		RedirectedBytes:     sub(after.RedirectedBytes, before.RedirectedBytes),
-		PassthroughMessages: sub(after.PassthroughMessages, before.PassthroughMessages),
-		PassthroughBytes:    sub(after.PassthroughBytes, before.PassthroughBytes),
+// deltaOf is the report's view of the counters of one run (after.Sub(before)).
+func deltaOf(d accel.Stats) *AgentDelta {
+	out := &AgentDelta{
+		PairedSockets:       d.PairedSockets,
+		RedirectedMessages:  d.RedirectedMessages,
+		RedirectedBytes:     d.RedirectedBytes,
+		PassthroughMessages: d.PassthroughMessages,
+		PassthroughBytes:    d.PassthroughBytes,
 		PassthroughByReason: map[string]uint64{},
-		Hops:                map[string]HopCounters{},
+		Hops:                d.Hops,
 	}
-	for k, v := range after.PassthroughByReason {
-		if n := sub(v, before.PassthroughByReason[k]); n > 0 {
-			d.PassthroughByReason[k] = n
+	for k, v := range d.PassthroughByReason {
+		if v > 0 {
+			out.PassthroughByReason[k] = v
 		}
 	}
-	for k, v := range after.Hops {
-		b := before.Hops[k]
-		d.Hops[k] = HopCounters{
-			PairedConnections:  sub(v.PairedConnections, b.PairedConnections),
-			RedirectedMessages: sub(v.RedirectedMessages, b.RedirectedMessages),
-			RedirectedBytes:    sub(v.RedirectedBytes, b.RedirectedBytes),
-		}
-	}
-	return d
-}
-
-func sub(a, b uint64) uint64 {
-	if a < b {
-		return 0
-	}
-	return a - b
+	return out
 }
 
 // StartAgentFunc attaches an agent to cgroupPath, pinning under pinDir.
@@ -296,18 +273,18 @@ func (r *runner) runMode(ctx context.Context, rep int, mode string) (err error) 
 }
 
 // agentSnapshot reads the counters (nil agent: nothing).
-func (r *runner) agentSnapshot(a Agent) (AgentCounters, error) {
+func (r *runner) agentSnapshot(a Agent) (accel.Stats, error) {
 	if a == nil {
-		return AgentCounters{}, nil
+		return accel.Stats{}, nil
 	}
-	c, err := a.Counters()
+	c, err := a.Stats()
 	if err != nil {
 		return c, fmt.Errorf("read agent counters: %w", err)
 	}
 	return c, nil
 }
 
-func (r *runner) agentDelta(a Agent, before AgentCounters) (*AgentDelta, error) {
+func (r *runner) agentDelta(a Agent, before accel.Stats) (*AgentDelta, error) {
 	if a == nil {
 		return nil, nil
 	}
@@ -315,7 +292,7 @@ func (r *runner) agentDelta(a Agent, before AgentCounters) (*AgentDelta, error) 
 	if err != nil {
 		return nil, err
 	}
-	return after.Delta(before), nil
+	return deltaOf(after.Sub(before)), nil
 }
 
 func (r *runner) httpURL() string {

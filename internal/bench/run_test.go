@@ -20,6 +20,7 @@ import (
 	"fortio.org/fortio/fhttp"
 	"fortio.org/fortio/fnet"
 
+	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
@@ -93,7 +94,7 @@ func (f *fakeAgent) start(cgroupPath, pinDir string) (Agent, error) {
 	return f, nil
 }
 
-func (f *fakeAgent) Counters() (AgentCounters, error) {
+func (f *fakeAgent) Stats() (accel.Stats, error) {
 	f.mu.Lock()
 	f.reads++
 	n := f.reads
@@ -103,7 +104,7 @@ func (f *fakeAgent) Counters() (AgentCounters, error) {
 	if hook != nil {
 		hook()
 	}
-	return AgentCounters{
+	return accel.Stats{
 		RedirectedMessages: n * 100,
 		Hops:               map[string]HopCounters{"direct": {PairedConnections: n, RedirectedMessages: n * 100}},
 	}, nil

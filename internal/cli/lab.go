@@ -56,15 +56,6 @@ namespace. Needs root and the packages from scripts/install-deps.sh.`,
 	return cmd
 }
 
-// labError maps lab errors to exit codes: a missing prerequisite is ExitNotReady.
-func labError(err error) error {
-	var pe *lab.PrereqError
-	if errors.As(err, &pe) {
-		return withExit(ExitNotReady, err)
-	}
-	return err
-}
-
 func newLabUpCommand(g *globalOptions) *cobra.Command {
 	opts := lab.DefaultOptions()
 	cmd := &cobra.Command{
@@ -88,7 +79,7 @@ to stderr, a summary to stdout.`,
 			logger := g.logger(cmd.ErrOrStderr())
 			l, err := lab.Up(cmd.Context(), opts, logger)
 			if err != nil {
-				return labError(fmt.Errorf("lab up: %w", err))
+				return fmt.Errorf("lab up: %w", err)
 			}
 			defer l.Close()
 			st, err := l.Status()
@@ -122,7 +113,7 @@ account, is kept.`,
 			// Cleanup must finish even after Ctrl-C.
 			ctx := context.WithoutCancel(cmd.Context())
 			if err := lab.Down(ctx, g.logger(cmd.ErrOrStderr())); err != nil {
-				return labError(err)
+				return err
 			}
 			return nil
 		},

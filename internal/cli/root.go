@@ -13,6 +13,9 @@ import (
 	"os"
 
 	"github.com/spf13/cobra"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
 // Exit codes scripts can rely on.
@@ -101,9 +104,20 @@ func Execute(ctx context.Context, args []string) int {
 		return ExitOK
 	}
 	fmt.Fprintf(os.Stderr, "meshwarp: %v\n", err)
+	return exitCode(err)
+}
+
+// exitCode is the one mapping of errors to exit codes: an explicit
+// withExit, then the refusal kinds of the packages below.
+func exitCode(err error) int {
 	var ee *exitError
-	if errors.As(err, &ee) {
+	switch {
+	case errors.As(err, &ee):
 		return ee.code
+	case errors.Is(err, accel.ErrBadConfig):
+		return ExitUsage
+	case errors.Is(err, probe.ErrNotReady):
+		return ExitNotReady
 	}
 	return ExitFailure
 }

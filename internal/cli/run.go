@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -23,6 +24,7 @@ type runOptions struct {
 	metricsAddr string
 	sidecarUID  uint32
 	capacity    uint32
+	unpaired    time.Duration
 	configFile  string
 	keepOnExit  bool
 	policy      config.File
@@ -69,8 +71,10 @@ exclude their ports.`,
 	f.StringVar(&o.cgroup, "cgroup", "", "cgroup v2 directory to accelerate (default: the cgroup v2 root from /proc/mounts)")
 	f.StringVar(&o.pinDir, "pin-dir", accel.DefaultPinDir, "bpffs directory for pinned maps and links")
 	f.StringVar(&o.metricsAddr, "metrics-addr", "127.0.0.1:9464", `address for /metrics and /healthz ("" disables)`)
-	f.Uint32Var(&o.sidecarUID, "sidecar-uid", 1337, "uid of the sidecar proxy (names the sidecar -> app hop)")
+	f.Uint32Var(&o.sidecarUID, "sidecar-uid", accel.DefaultSidecarUID, "uid of the sidecar proxy (names the sidecar -> app hop)")
 	f.Uint32Var(&o.capacity, "capacity", accel.DefaultCapacity, "maximum accelerated sockets; beyond it connections use the normal stack")
+	f.DurationVar(&o.unpaired, "unpaired-timeout", accel.DefaultUnpairedTimeout,
+		"how long a connecting socket whose listener is in the cgroup may wait for its peer to be established before it is left to TCP")
 	f.StringVar(&o.configFile, "config", "", "YAML policy file (include_ports, exclude_ports, include_cidrs, exclude_cidrs); SIGHUP reloads it")
 	f.BoolVar(&o.keepOnExit, "keep-on-exit", false, "leave the data path attached and pinned on exit (for restarts and upgrades)")
 	f.StringSliceVar(&o.policy.IncludePorts, "include-ports", nil, "accelerate only these destination ports (e.g. 8080,9000-9010)")
@@ -98,6 +102,9 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 	if o.capacity == 0 {
 		return usageError("--capacity must be at least 1")
 	}
+	if o.unpaired < time.Millisecond || o.unpaired > time.Minute {
+		return usageError("--unpaired-timeout %v: give 1ms..1m (default %v)", o.unpaired, accel.DefaultUnpairedTimeout)
+	}
 	policy, err := o.loadPolicy()
 	if err != nil {
 		return withExit(ExitUsage, fmt.Errorf("invalid policy: %w", err))
@@ -105,7 +112,7 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 	// Refuse before touching anything when the kernel cannot do it.
 	report := probe.Run(probe.Options{MountBPFFS: true})
 	if err := report.Err(); err != nil {
-		return withExit(ExitNotReady, err)
+		return err
 	}
 	if o.cgroup == "" {
 		if o.cgroup, err = probe.Cgroup2Root(); err != nil {
@@ -118,13 +125,9 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 		SidecarUID:       o.sidecarUID,
 		Policy:           policy,
 		SockhashCapacity: o.capacity,
+		UnpairedTimeout:  o.unpaired,
 	}, logger)
-	switch {
-	case errors.Is(err, accel.ErrBadConfig):
-		return withExit(ExitUsage, err)
-	case errors.Is(err, accel.ErrNotReady):
-		return withExit(ExitNotReady, err)
-	case err != nil:
+	if err != nil {
 		return err
 	}
 	stop := func() error {

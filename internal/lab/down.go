@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
 // lockName is an abstract unix socket (no file anywhere): holding it
@@ -54,7 +56,7 @@ func Down(ctx context.Context, logger *slog.Logger) error {
 	}
 	logger = logger.With("subsys", "lab")
 	if os.Geteuid() != 0 {
-		return &PrereqError{errors.New("the lab needs root to be removed: run it as root, e.g. sudo meshwarp lab down")}
+		return fmt.Errorf("%w: the lab needs root to be removed: run it as root, e.g. sudo meshwarp lab down", probe.ErrNotReady)
 	}
 	unlock, err := lockLab()
 	if err != nil {

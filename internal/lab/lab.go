@@ -38,6 +38,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
 // Options configure Up. Use DefaultOptions() for the CLI's defaults: the zero
@@ -114,13 +116,6 @@ func writeState(st *state) error {
 	return writeFileAtomic(statePath(), append(b, '\n'))
 }
 
-// PrereqError means the machine lacks something the lab needs (root, a
-// package, cgroup v2); its message names the fix. Nothing was created.
-type PrereqError struct{ Err error }
-
-func (e *PrereqError) Error() string { return e.Err.Error() }
-func (e *PrereqError) Unwrap() error { return e.Err }
-
 // requiredTools are looked up before anything is created.
 var requiredTools = []string{"ip", "iptables", "iptables-restore", "haproxy", "qperf"}
 
@@ -159,7 +154,8 @@ func Up(ctx context.Context, opts Options, logger *slog.Logger) (*Lab, error) {
 		return nil, err
 	}
 	if err := checkPrereqs(); err != nil {
-		return nil, &PrereqError{err}
+		// The machine lacks something the lab needs; nothing was created.
+		return nil, fmt.Errorf("%w: %w", probe.ErrNotReady, err)
 	}
 	unlock, err := lockLab()
 	if err != nil {

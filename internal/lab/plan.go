@@ -7,6 +7,8 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
 )
 
 // Ports of the lab's workloads and of the sidecar listeners.
@@ -15,11 +17,11 @@ const (
 	TCPEchoPort = 8078  // fortio TCP echo server in every non-client pod (sidecar: mode tcp)
 	QperfPort   = 19765 // qperf's default control port; its data port is picked per test
 
-	OutboundPort = 15001 // sidecar listener for captured outbound TCP (Istio's 15001)
-	InboundPort  = 15006 // sidecar listener for captured inbound TCP (Istio's 15006)
+	OutboundPort = accel.DefaultOutboundPort // sidecar listener for captured outbound TCP
+	InboundPort  = accel.DefaultInboundPort  // sidecar listener for captured inbound TCP
 
 	DefaultPods       = 2
-	DefaultSidecarUID = 1337 // Istio's proxy uid: the capture rules exempt it
+	DefaultSidecarUID = accel.DefaultSidecarUID
 	MaxPods           = 64
 )
 

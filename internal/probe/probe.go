@@ -123,7 +123,9 @@ type NotReadyError struct {
 
 func (e *NotReadyError) Error() string { return notReadyText(e.Missing) }
 
-// ErrNotReady matches any *NotReadyError with errors.Is.
+// ErrNotReady is the one kind of "this machine cannot do it" refusal (a
+// failed probe, a read-only bpffs, a missing package for the lab): wrap it,
+// and the CLI exits with its "not ready" code. Any *NotReadyError matches it.
 var ErrNotReady = errors.New("not ready")
 
 // Is makes errors.Is(err, ErrNotReady) true.
