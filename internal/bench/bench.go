@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 
 // Package bench measures direct / sidecar / sidecar+meshwarp /
-// direct+meshwarp side by side in the lab (internal/lab), with the seeds'
-// workloads: fortio HTTP and TCP echo load (fortio as a Go library, run by
-// a worker process inside the client pod), qperf tcp_lat/tcp_bw, and an
-// AF_UNIX socketpair floor. Modes are interleaved and repeated; the report
+// direct+meshwarp side by side in the lab (internal/lab), with the workloads
+// of published sidecar-acceleration measurements: fortio HTTP and TCP echo
+// load (fortio as a Go library, run by a worker process inside the client
+// pod), qperf tcp_lat/tcp_bw, and an AF_UNIX socketpair floor. Modes are interleaved and repeated; the report
 // gives medians, spread and per-repeat paired ratios, as a terminal table,
 // JSON (docs/bench-schema.json) and a self-contained HTML page.
 package bench
@@ -39,7 +39,7 @@ const (
 	WorkloadUnix  = "unix"
 )
 
-// Defaults (the seeds' settings).
+// Defaults (the settings of those published measurements: 64 connections, 1 KB payloads).
 const (
 	DefaultDuration     = 10 * time.Second
 	DefaultRepeat       = 3
@@ -101,7 +101,7 @@ type Options struct {
 	PinDir string
 
 	// WorkerCommand is the program and leading arguments that start a
-	// worker; "--spec JSON" is appended and MESHWARP_BENCH_REEXEC=worker is
+	// worker; "--spec JSON" is appended and lab.ReexecEnvFor(WorkerHelper) is
 	// set. Default: this executable, "bench worker".
 	WorkerCommand []string
 

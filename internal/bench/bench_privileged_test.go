@@ -198,8 +198,8 @@ func checkQuickResults(t *testing.T, rep *bench.Report) {
 	}
 }
 
-// workerProcesses lists running bench workers (their environment carries
-// MESHWARP_BENCH_REEXEC=worker).
+// workerProcesses lists running bench workers (their environment selects
+// the worker helper).
 func workerProcesses(t *testing.T) []string {
 	t.Helper()
 	var out []string
@@ -212,7 +212,7 @@ func workerProcesses(t *testing.T) []string {
 		if err != nil {
 			continue
 		}
-		if bytes.Contains(env, []byte("MESHWARP_BENCH_REEXEC=worker")) {
+		if bytes.Contains(env, []byte(lab.ReexecEnvFor(bench.WorkerHelper))) {
 			cmd, _ := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
 			out = append(out, e.Name()+": "+strings.ReplaceAll(string(cmd), "\x00", " "))
 		}

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/lab"
 )
 
 // Env is the lab as the bench uses it; labEnv adapts internal/lab to it
@@ -318,7 +319,7 @@ func (r *runner) runWorker(ctx context.Context, spec WorkerSpec, timeout time.Du
 	if cmd.Env == nil {
 		cmd.Env = os.Environ()
 	}
-	cmd.Env = append(cmd.Env, workerEnv+"=worker")
+	cmd.Env = append(cmd.Env, lab.ReexecEnvFor(WorkerHelper))
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout = &stdout
 	cmd.Stderr = &tailWriter{buf: &stderr, max: 4096}

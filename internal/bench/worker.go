@@ -22,6 +22,8 @@ import (
 	"fortio.org/fortio/stats"
 	"fortio.org/fortio/tcprunner"
 	flog "fortio.org/log"
+
+	"github.com/meshwarp/meshwarp/internal/lab"
 )
 
 // The worker is the load generator. The orchestrator re-executes the
@@ -31,26 +33,19 @@ import (
 // per thread and goroutines migrate between threads). The worker prints one
 // WorkerResult as JSON on stdout.
 
-// workerEnv selects the worker when the orchestrator re-executes a binary:
-// the init hook below makes any binary that links this package a worker
-// (meshwarp itself, and also the `go test` binary of bench or cli, which has
-// no cobra tree to dispatch `bench worker`). Same scheme as internal/lab's
-// serve-apps.
-const workerEnv = "MESHWARP_BENCH_REEXEC"
+// WorkerHelper is the re-exec helper name of the worker (lab.HandleReexec:
+// any binary that links this package can be a worker, also a `go test` one).
+const WorkerHelper = "bench-worker"
 
 func init() {
-	if os.Getenv(workerEnv) != "worker" {
-		return
-	}
-	os.Exit(WorkerMain(os.Args[1:], os.Stdout, os.Stderr))
+	lab.HandleReexec(WorkerHelper, []string{"bench", "worker"}, func(args []string) int {
+		return WorkerMain(args, os.Stdout, os.Stderr)
+	})
 }
 
-// WorkerMain is the worker's entry point: args are "[bench worker] --spec
-// JSON". It returns the process exit code.
+// WorkerMain is the worker's entry point: args are "--spec JSON". It returns
+// the process exit code.
 func WorkerMain(args []string, stdout, stderr io.Writer) int {
-	for len(args) > 0 && (args[0] == "bench" || args[0] == "worker") {
-		args = args[1:]
-	}
 	fs := flag.NewFlagSet("bench worker", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	specJSON := fs.String("spec", "", "what to run (JSON WorkerSpec)")

@@ -99,7 +99,7 @@ func TestUnixFloorStopsOnCancel(t *testing.T) {
 
 func TestWorkerMainErrors(t *testing.T) {
 	var stdout, stderr bytes.Buffer
-	if code := WorkerMain([]string{"bench", "worker", "--spec", "{"}, &stdout, &stderr); code != 2 {
+	if code := WorkerMain([]string{"--spec", "{"}, &stdout, &stderr); code != 2 {
 		t.Errorf("bad spec: exit %d", code)
 	}
 	stderr.Reset()

@@ -41,7 +41,8 @@ func newBenchCommand(g *globalOptions) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "bench",
 		Short: "Measure direct / sidecar / sidecar+meshwarp / direct+meshwarp side by side in the lab",
-		Long: `bench runs the seeds' experiments in the lab (meshwarp lab), every mode in turn,
+		Long: `bench runs the published sidecar-acceleration experiments (fortio HTTP and TCP echo,
+qperf latency and bandwidth by message size) in the lab (meshwarp lab), every mode in turn,
 repeated, and reports medians, spread and per-repeat ratios:
 
   modes      direct            pod to pod, no capture
@@ -81,27 +82,7 @@ that is already up is used and left as it was. Needs root.`,
 	fl.StringVar(&f.htmlPath, "html", "", "write the self-contained HTML report to `FILE`")
 	fl.BoolVar(&f.keepLab, "keep-lab", false, "keep a lab that bench brought up itself")
 	fl.StringVar(&f.pinDir, "pin-dir", bench.DefaultPinDir, "where the bench's agent pins its maps (removed after each mode)")
-	cmd.AddCommand(newBenchWorkerCommand())
 	return cmd
-}
-
-// newBenchWorkerCommand is the load generator that bench starts inside the
-// client pod (hidden: not for people). bench itself re-executes the binary
-// with MESHWARP_BENCH_REEXEC=worker, which dispatches before cobra; this
-// command is the same entry point for running a worker by hand.
-func newBenchWorkerCommand() *cobra.Command {
-	return &cobra.Command{
-		Use:                "worker --spec JSON",
-		Short:              "bench load generator (internal)",
-		Hidden:             true,
-		DisableFlagParsing: true,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if code := bench.WorkerMain(args, cmd.OutOrStdout(), cmd.ErrOrStderr()); code != 0 {
-				return withExit(code, errors.New("bench worker failed"))
-			}
-			return nil
-		},
-	}
 }
 
 func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {

@@ -49,9 +49,8 @@ namespace. Needs root and the packages from scripts/install-deps.sh.`,
 	cmd.AddCommand(
 		newLabUpCommand(g),
 		newLabDownCommand(g),
-		newLabStatusCommand(g),
-		newLabCaptureCommand(g),
-		newLabServeAppsCommand(),
+		newLabStatusCommand(),
+		newLabCaptureCommand(),
 	)
 	return cmd
 }
@@ -120,7 +119,7 @@ account, is kept.`,
 	}
 }
 
-func newLabStatusCommand(g *globalOptions) *cobra.Command {
+func newLabStatusCommand() *cobra.Command {
 	var asJSON bool
 	cmd := &cobra.Command{
 		Use:   "status",
@@ -135,7 +134,6 @@ Exit status: 0 the lab is up and healthy, 1 it is down or something is wrong
 		Args:         cobra.NoArgs,
 		SilenceUsage: true,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			_ = g
 			out := cmd.OutOrStdout()
 			l, err := lab.Load()
 			if err != nil {
@@ -183,7 +181,7 @@ Exit status: 0 the lab is up and healthy, 1 it is down or something is wrong
 	return cmd
 }
 
-func newLabCaptureCommand(g *globalOptions) *cobra.Command {
+func newLabCaptureCommand() *cobra.Command {
 	return &cobra.Command{
 		Use:   "capture on|off",
 		Short: "Switch the sidecar capture rules on or off in every pod",
@@ -198,7 +196,6 @@ idle. New connections follow at once; open connections keep their path.`,
 		},
 		SilenceUsage: true,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			_ = g
 			l, err := lab.Load()
 			if err != nil {
 				return err
@@ -211,25 +208,6 @@ idle. New connections follow at once; open connections keep their path.`,
 			return nil
 		},
 	}
-}
-
-// newLabServeAppsCommand is the hidden command the lab runs inside each server
-// pod (the lab re-executes this binary; see lab.ServeApps).
-func newLabServeAppsCommand() *cobra.Command {
-	opts := lab.AppsOptions{HTTPPort: lab.HTTPPort, TCPEchoPort: lab.TCPEchoPort}
-	cmd := &cobra.Command{
-		Use:    "serve-apps",
-		Short:  "Run fortio's HTTP echo and TCP echo servers (started by the lab inside pods)",
-		Hidden: true,
-		Args:   cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			return lab.ServeApps(cmd.Context(), opts)
-		},
-		SilenceUsage: true,
-	}
-	cmd.Flags().IntVar(&opts.HTTPPort, "http-port", opts.HTTPPort, "fortio HTTP echo port")
-	cmd.Flags().IntVar(&opts.TCPEchoPort, "tcp-port", opts.TCPEchoPort, "fortio TCP echo port")
-	return cmd
 }
 
 func labWriteJSON(w io.Writer, v any) error {

@@ -22,7 +22,7 @@ import (
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
-// Invariant 5 (DESIGN.md, issue 2 "Safety invariants" 5): on bad input or a
+// Invariant 5 (docs/ARCHITECTURE.md, refusals): on bad input or a
 // machine that lacks something, `meshwarp run` refuses with a message that
 // names the problem and the fix, exits non-zero with the documented code
 // (root.go: 2 usage, 3 not ready, 1 other) and leaves nothing attached or

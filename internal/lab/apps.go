@@ -18,18 +18,14 @@ import (
 	flog "fortio.org/log"
 )
 
-// reexecEnv selects a lab helper when the current executable is re-executed
-// inside a pod: the lab starts `<exe> lab serve-apps ...` with
-// MESHWARP_LAB_REEXEC=serve-apps. The init hook below makes this work for any
-// binary that links this package (meshwarp itself, but also a `go test` binary
-// of lab or bench, which has no cobra tree to dispatch `lab serve-apps`).
-const reexecEnv = "MESHWARP_LAB_REEXEC"
+// serveAppsHelper is the helper the lab re-executes in every server pod
+// (`<exe> lab serve-apps ...`, see reexec.go).
+const serveAppsHelper = "serve-apps"
 
 func init() {
-	if os.Getenv(reexecEnv) != "serve-apps" {
-		return
-	}
-	os.Exit(serveAppsMain(os.Args[1:], os.Stderr))
+	HandleReexec(serveAppsHelper, []string{"lab", "serve-apps"}, func(args []string) int {
+		return serveAppsMain(args, os.Stderr)
+	})
 }
 
 // AppsOptions are the ports of the apps a server pod runs.
@@ -62,12 +58,8 @@ func ServeApps(ctx context.Context, opts AppsOptions) error {
 	return nil
 }
 
-// serveAppsMain is the re-exec entry point: args are
-// "lab serve-apps --http-port N --tcp-port M" (the leading words are skipped).
+// serveAppsMain is the helper's entry point: args are "--http-port N --tcp-port M".
 func serveAppsMain(args []string, stderr io.Writer) int {
-	for len(args) > 0 && (args[0] == "lab" || args[0] == "serve-apps") {
-		args = args[1:]
-	}
 	fs := flag.NewFlagSet("serve-apps", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var o AppsOptions

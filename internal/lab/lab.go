@@ -359,7 +359,7 @@ func (l *Lab) daemons(p podPlan) ([]daemon, error) {
 			pod:   p,
 			name:  procApps,
 			argv:  []string{exe, "lab", "serve-apps", "--http-port", strconv.Itoa(HTTPPort), "--tcp-port", strconv.Itoa(TCPEchoPort)},
-			env:   []string{reexecEnv + "=serve-apps"},
+			env:   []string{ReexecEnvFor(serveAppsHelper)},
 			ports: []int{HTTPPort, TCPEchoPort},
 		},
 		daemon{

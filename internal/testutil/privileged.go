@@ -6,6 +6,7 @@
 package testutil
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -50,32 +51,46 @@ func EnterCgroup(t testing.TB) string {
 	if err != nil {
 		t.Fatal(err)
 	}
+	dir, err := os.MkdirTemp(root, "meshwarp-test-")
+	if err != nil {
+		t.Fatalf("create test cgroup: %v", err)
+	}
+	// Cleanups run last-in first-out: this one, registered before
+	// JoinCgroup's, runs after the process has left the cgroup.
+	t.Cleanup(func() {
+		if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("remove test cgroup %s: %v", dir, err)
+		}
+	})
+	JoinCgroup(t, dir)
+	return dir
+}
+
+// JoinCgroup moves this whole test process into the existing cgroup v2
+// directory dir (e.g. the lab's) and back on cleanup. One test at a time
+// may hold a cgroup.
+func JoinCgroup(t testing.TB, dir string) {
+	t.Helper()
+	root, err := probe.Cgroup2Root()
+	if err != nil {
+		t.Fatal(err)
+	}
 	cgroupMu.Lock()
 	orig, err := ownCgroup()
 	if err != nil {
 		cgroupMu.Unlock()
 		t.Fatal(err)
 	}
-	dir, err := os.MkdirTemp(root, "meshwarp-test-")
-	if err != nil {
-		cgroupMu.Unlock()
-		t.Fatalf("create test cgroup: %v", err)
-	}
 	if err := joinCgroup(dir); err != nil {
-		os.Remove(dir)
 		cgroupMu.Unlock()
-		t.Fatalf("join test cgroup: %v", err)
+		t.Fatalf("join cgroup %s: %v", dir, err)
 	}
 	t.Cleanup(func() {
 		defer cgroupMu.Unlock()
 		if err := joinCgroup(filepath.Join(root, orig)); err != nil {
-			t.Errorf("leave test cgroup: %v", err)
-		}
-		if err := os.Remove(dir); err != nil {
-			t.Errorf("remove test cgroup %s: %v", dir, err)
+			t.Errorf("leave cgroup %s: %v", dir, err)
 		}
 	})
-	return dir
 }
 
 func joinCgroup(dir string) error {
@@ -147,6 +162,18 @@ func NewNetns(t testing.TB, name string) *Netns {
 	}
 	t.Cleanup(func() { unix.Close(fd) })
 	return &Netns{Name: full, fd: fd}
+}
+
+// OpenNetns opens the existing named network namespace (ip netns) name,
+// which the test did not create and does not remove.
+func OpenNetns(t testing.TB, name string) *Netns {
+	t.Helper()
+	fd, err := unix.Open("/run/netns/"+name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatalf("open netns %s: %v", name, err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	return &Netns{Name: name, fd: fd}
 }
 
 // Do runs fn on an OS thread switched into the namespace. Sockets created by
