@@ -6,6 +6,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -48,6 +49,17 @@ func dialIn(ns *testutil.Netns, target, local string) func() (net.Conn, error) {
 		err = ns.Do(func() (err error) { c, err = d.DialContext(context.Background(), "tcp", target); return })
 		return c, err
 	}
+}
+
+// dropFinalHandshakeACK drops, in ns, the second packet of each connection
+// to port in the original direction when it is a pure ACK: the handshake's
+// last ACK. The server socket is then born late, from the client's next
+// segment or its retransmitted ACK.
+func dropFinalHandshakeACK(t *testing.T, ns *testutil.Netns, port int) {
+	t.Helper()
+	testutil.Run(t, "ip", "netns", "exec", ns.Name, "iptables", "-w", "-A", "INPUT", "-p", "tcp", "--dport", strconv.Itoa(port),
+		"--tcp-flags", "SYN,ACK,FIN,RST,PSH", "ACK", "-m", "connbytes", "--connbytes", "2:2",
+		"--connbytes-dir", "original", "--connbytes-mode", "packets", "-j", "DROP")
 }
 
 // vethPair connects two namespaces with a veth pair and addresses 10.214.0.1/.2.
@@ -204,11 +216,7 @@ func TestPrivilegedNoPathSwitchMidStream(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	a := startAgent(t, Config{})
 	ns := testutil.NewNetns(t, "race")
-	// Drop the second packet of each connection in the original direction
-	// when it is a pure ACK (the final handshake ACK).
-	testutil.Run(t, "ip", "netns", "exec", ns.Name, "iptables", "-w", "-A", "INPUT", "-p", "tcp", "--dport", "7003",
-		"--tcp-flags", "SYN,ACK,FIN,RST,PSH", "ACK", "-m", "connbytes", "--connbytes", "2:2",
-		"--connbytes-dir", "original", "--connbytes-mode", "packets", "-j", "DROP")
+	dropFinalHandshakeACK(t, ns, 7003)
 	srv := testutil.ServeEcho(listenIn(t, ns, "127.0.0.1:7003"))
 	defer srv.Close()
 	res := testutil.CheckIntegrity(dialIn(ns, "127.0.0.1:7003", ""), testutil.IntegrityOptions{Conns: 50, Messages: 20, MaxSize: 32 << 10, Seed: 3})

@@ -200,6 +200,27 @@ func requireOutsideSockhash(t *testing.T, a *Agent, conns ...net.Conn) {
 	}
 }
 
+// exchangeUnaccelerated runs every exchange case against ln (in ns, if not
+// nil), requires that neither end is in the agent's SOCKHASH, and returns
+// the agent's counters over the run (zero without an agent).
+func exchangeUnaccelerated(t *testing.T, a *Agent, ln net.Listener, ns *testutil.Netns) Stats {
+	t.Helper()
+	var before Stats
+	if a != nil {
+		before = stats(t, a)
+	}
+	for _, tc := range exchangeCases {
+		client, server := exchange(t, ln, ns, tc)
+		if a != nil {
+			requireOutsideSockhash(t, a, client, server)
+		}
+	}
+	if a == nil {
+		return Stats{}
+	}
+	return stats(t, a).Sub(before)
+}
+
 // forEachAgentMode runs fn without and with the agent; setup runs before
 // the agent starts (what it creates is outside the agent's cgroup).
 func forEachAgentMode(t *testing.T, setup func(t *testing.T) net.Listener, fn func(t *testing.T, a *Agent, ln net.Listener)) {
@@ -231,20 +252,10 @@ func TestPrivilegedNoHarmServerOutsideCgroup(t *testing.T) {
 		// Created before the agent's cgroup is entered: outside it.
 		return mustListen(t, "127.0.0.1:0")
 	}, func(t *testing.T, a *Agent, ln net.Listener) {
-		var before Stats
-		if a != nil {
-			before = stats(t, a)
-		}
-		for _, tc := range exchangeCases {
-			client, server := exchange(t, ln, nil, tc)
-			if a != nil {
-				requireOutsideSockhash(t, a, client, server)
-			}
-		}
+		d := exchangeUnaccelerated(t, a, ln, nil)
 		if a == nil {
 			return
 		}
-		d := stats(t, a).Sub(before)
 		if got := d.PassthroughConnections["no_local_peer"]; got != uint64(len(exchangeCases)) {
 			t.Fatalf("no_local_peer connections = %d, want %d (%v)", got, len(exchangeCases), d.PassthroughConnections)
 		}
@@ -297,37 +308,20 @@ func TestPrivilegedNoHarmPassthroughFIONREAD(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			for _, tc := range exchangeCases {
-				client, server := exchange(t, ln, nil, tc)
-				if a != nil {
-					requireOutsideSockhash(t, a, client, server)
-				}
-			}
+			exchangeUnaccelerated(t, a, ln, nil)
 		})
 	})
 	t.Run("late-accept", func(t *testing.T) {
 		var ns *testutil.Netns
 		forEachAgentMode(t, func(t *testing.T) net.Listener { return nil }, func(t *testing.T, a *Agent, _ net.Listener) {
 			ns = testutil.NewNetns(t, "late")
-			testutil.Run(t, "ip", "netns", "exec", ns.Name, "iptables", "-w", "-A", "INPUT", "-p", "tcp", "--dport", "7004",
-				"--tcp-flags", "SYN,ACK,FIN,RST,PSH", "ACK", "-m", "connbytes", "--connbytes", "2:2",
-				"--connbytes-dir", "original", "--connbytes-mode", "packets", "-j", "DROP")
+			dropFinalHandshakeACK(t, ns, 7004)
 			ln := listenIn(t, ns, "127.0.0.1:7004")
 			defer ln.Close()
-			var before Stats
-			if a != nil {
-				before = stats(t, a)
-			}
-			for _, tc := range exchangeCases {
-				client, server := exchange(t, ln, ns, tc)
-				if a != nil {
-					requireOutsideSockhash(t, a, client, server)
-				}
-			}
+			d := exchangeUnaccelerated(t, a, ln, ns)
 			if a == nil {
 				return
 			}
-			d := stats(t, a).Sub(before)
 			t.Logf("removed %v, passthrough conns %v", d.RemovedSockets, d.PassthroughConnections)
 			// Server first: the client waits, its timer fires. Client first:
 			// its first byte decides no_peer, the accepted side removes it.

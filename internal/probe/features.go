@@ -1,0 +1,383 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package probe
+
+// Kernel features: what the BPF objects use (program, map and helper types,
+// atomics, links), each probed by loading or attaching something small.
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/features"
+	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
+)
+
+// feature turns a kernel probe's error into a row. Per cilium/ebpf's
+// features package only nil and ErrNotSupported are conclusive; anything
+// else is a warn.
+func (p *prober) feature(name string, required bool, use, min, config string, probe func() error) {
+	chk := Check{Name: name, Required: required}
+	if p.bpfErr != nil {
+		chk.Status, chk.Detail, chk.Fix = StatusWarn, "not probed: bpf syscall unusable", "fix "+CheckBPFSyscall+" first"
+		p.add(chk)
+		return
+	}
+	err := probe()
+	switch {
+	case err == nil:
+		chk.Status, chk.Detail = StatusOK, use
+	case errors.Is(err, ebpf.ErrNotSupported):
+		chk.Status = StatusMissing
+		chk.Detail = fmt.Sprintf("%v; needed for: %s", err, use)
+		chk.Fix = p.kernelFix(min, config)
+	case errors.Is(err, unix.EPERM), errors.Is(err, unix.EACCES):
+		chk.Status, chk.Detail = StatusWarn, fmt.Sprintf("not probed: %v", err)
+		chk.Fix = fixPrivileges
+		if p.hasBPFCaps() {
+			chk.Fix = fixBlocked
+		}
+	default:
+		chk.Status, chk.Detail, chk.Fix = StatusWarn, fmt.Sprintf("probe failed: %v", err), fixProbe
+	}
+	p.add(chk)
+}
+
+const (
+	configSockMsg  = "CONFIG_BPF_SYSCALL=y and CONFIG_NET_SOCK_MSG=y"
+	configCgroup   = "CONFIG_BPF_SYSCALL=y and CONFIG_CGROUP_BPF=y"
+	configBPF      = "CONFIG_BPF_SYSCALL=y"
+	configBPFJIT   = "CONFIG_BPF_SYSCALL=y and CONFIG_BPF_JIT=y"
+	configBTF      = "CONFIG_DEBUG_INFO_BTF=y"
+	configTrace    = "CONFIG_BPF_EVENTS=y"
+	kernelTrace    = "4.7"
+	kernelLinkSock = "6.10"
+)
+
+// programTypes, mapTypes and helpers list what the BPF objects use; a test
+// (internal/cli) fails when an object uses something not listed here.
+var programTypes = []struct {
+	name     string
+	typ      ebpf.ProgramType
+	required bool
+	use      string
+	config   string
+}{
+	{"prog sock_ops", ebpf.SockOps, true, "registers sockets as TCP connections establish", configCgroup},
+	{"prog sk_msg", ebpf.SkMsg, true, "redirects sendmsg data to the peer socket", configSockMsg},
+	{"prog tracepoint", ebpf.TracePoint, false, "observability of non-accelerated traffic", configTrace},
+}
+
+func (p *prober) programTypes() {
+	for _, pt := range programTypes {
+		min := MinKernel
+		if !pt.required {
+			min = kernelTrace
+		}
+		p.feature(pt.name, pt.required, pt.use, min, pt.config, func() error { return features.HaveProgramType(pt.typ) })
+	}
+}
+
+var mapTypes = []struct {
+	name   string
+	typ    ebpf.MapType
+	use    string
+	config string
+}{
+
+	{"map SOCKHASH", ebpf.SockHash, "holds the accelerated sockets", configSockMsg},
+	{"map HASH", ebpf.Hash, "socket pairing and policy", configBPF},
+	{"map PERCPU_ARRAY", ebpf.PerCPUArray, "counters", configBPF},
+	{"map ARRAY", ebpf.Array, "settings", configBPF},
+	{"map LPM_TRIE", ebpf.LPMTrie, "CIDR policy", configBPF},
+	{"map LRU_HASH", ebpf.LRUHash, "SYN hints, splice readers", configBPF},
+	{"map SK_STORAGE", ebpf.SkStorage, "per-socket pairing state", configBPF},
+	{"map CGROUP_ARRAY", ebpf.CGroupArray, "the cgroup the splice watch covers", configBPF},
+}
+
+func (p *prober) mapTypes() {
+	for _, mt := range mapTypes {
+		p.feature(mt.name, true, mt.use, MinKernel, mt.config, func() error { return features.HaveMapType(mt.typ) })
+	}
+}
+
+var helpers = []struct {
+	prog   ebpf.ProgramType
+	pname  string
+	fn     asm.BuiltinFunc
+	name   string
+	use    string
+	config string
+}{
+	{ebpf.SockOps, "sock_ops", asm.FnSockHashUpdate, "bpf_sock_hash_update", "adds sockets to the SOCKHASH", configSockMsg},
+	{ebpf.SockOps, "sock_ops", asm.FnSkStorageGet, "bpf_sk_storage_get", "per-socket pairing state", configCgroup},
+	{ebpf.SockOps, "sock_ops", asm.FnTimerInit, "bpf_timer_init", "bounds how long a socket waits unpaired (Linux 5.15)", configCgroup},
+	{ebpf.SockOps, "sock_ops", asm.FnMapDeleteElem, "bpf_map_delete_elem", "takes unpaired sockets out of the SOCKHASH", configCgroup},
+	{ebpf.SockOps, "sock_ops", asm.FnGetSocketCookie, "bpf_get_socket_cookie", "per-connection identity", configCgroup},
+	{ebpf.SockOps, "sock_ops", asm.FnSockOpsCbFlagsSet, "bpf_sock_ops_cb_flags_set", "state-change callbacks (close)", configCgroup},
+	{ebpf.SockOps, "sock_ops", asm.FnSkcToTcpSock, "bpf_skc_to_tcp_sock", "reads TCP state (Linux 5.9, BTF, CAP_PERFMON)", configBTF},
+	{ebpf.SkMsg, "sk_msg", asm.FnMsgRedirectHash, "bpf_msg_redirect_hash", "the redirect itself", configSockMsg},
+	{ebpf.SkMsg, "sk_msg", asm.FnSkStorageGet, "bpf_sk_storage_get", "per-socket decision cache", configSockMsg},
+}
+
+// baseHelpers are available to every program type meshwarp loads on every
+// kernel >= MinKernel; the probe does not check them one by one.
+var baseHelpers = map[asm.BuiltinFunc]bool{
+	asm.FnMapLookupElem: true, asm.FnMapUpdateElem: true, asm.FnMapDeleteElem: true,
+	asm.FnKtimeGetNs: true, asm.FnGetCurrentPidTgid: true, asm.FnGetCurrentComm: true,
+	asm.FnGetCurrentTask: true, asm.FnProbeReadKernel: true, asm.FnCurrentTaskUnderCgroup: true,
+	// Checked through bpf_timer_init: the timer helpers came together (5.15).
+	asm.FnTimerSetCallback: true, asm.FnTimerStart: true,
+}
+
+// Uncovered lists what spec's programs use that the probe does not check:
+// program types, map types and helpers. Empty means a "ready" verdict covers
+// everything the object needs.
+func Uncovered(spec *ebpf.CollectionSpec) []string {
+	var out []string
+	progOK := map[ebpf.ProgramType]bool{}
+	for _, pt := range programTypes {
+		progOK[pt.typ] = true
+	}
+	mapOK := map[ebpf.MapType]bool{}
+	for _, mt := range mapTypes {
+		mapOK[mt.typ] = true
+	}
+	helperOK := map[ebpf.ProgramType]map[asm.BuiltinFunc]bool{}
+	for _, h := range helpers {
+		if helperOK[h.prog] == nil {
+			helperOK[h.prog] = map[asm.BuiltinFunc]bool{}
+		}
+		helperOK[h.prog][h.fn] = true
+	}
+	for name, m := range spec.Maps {
+		if !mapOK[m.Type] && !strings.HasPrefix(name, ".") {
+			out = append(out, fmt.Sprintf("map %s: type %s", name, m.Type))
+		}
+	}
+	for name, prog := range spec.Programs {
+		if !progOK[prog.Type] {
+			out = append(out, fmt.Sprintf("program %s: type %s", name, prog.Type))
+		}
+		for _, ins := range prog.Instructions {
+			if !ins.IsBuiltinCall() {
+				continue
+			}
+			fn := asm.BuiltinFunc(ins.Constant)
+			if !baseHelpers[fn] && !helperOK[prog.Type][fn] {
+				out = append(out, fmt.Sprintf("program %s (%s): helper %s", name, prog.Type, fn))
+			}
+		}
+	}
+	sort.Strings(out)
+	return slices.Compact(out)
+}
+
+func (p *prober) helpers() {
+	for _, h := range helpers {
+		name := h.pname + ": " + h.name
+		p.feature(name, true, h.use, MinKernel, h.config, func() error {
+			err := features.HaveProgramHelper(h.prog, h.fn)
+			// skc_to_* helpers are hidden from programs loaded without
+			// CAP_PERFMON: that reads as "not supported" but is a privilege.
+			if errors.Is(err, ebpf.ErrNotSupported) && h.fn == asm.FnSkcToTcpSock && p.capsOK &&
+				!p.caps.Has(unix.CAP_PERFMON) && !p.caps.Has(unix.CAP_SYS_ADMIN) {
+				return fmt.Errorf("%v (without CAP_PERFMON): %w", err, unix.EPERM)
+			}
+			return err
+		})
+	}
+}
+
+// atomics loads a sock_ops program doing a 64-bit atomic compare-and-exchange
+// on a map value (BPF_ATOMIC | BPF_CMPXCHG, Linux 5.12).
+func (p *prober) atomics() {
+	p.feature(CheckAtomicCmpXchg, true, "claims a socket pairing exactly once (Linux 5.12)", MinKernel, configBPFJIT, probeCmpXchg)
+}
+
+func probeCmpXchg() error { return probeAtomic(asm.CmpXchg) }
+
+// probeAtomic loads a program applying op to a 64-bit map value; an old
+// verifier rejects an unknown atomic opcode with EINVAL.
+func probeAtomic(op asm.AtomicOp) error {
+	m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Array, KeySize: 4, ValueSize: 8, MaxEntries: 1})
+	if err != nil {
+		return fmt.Errorf("create map: %w", err)
+	}
+	defer m.Close()
+	prog, err := ebpf.NewProgramWithOptions(&ebpf.ProgramSpec{
+		Type:    ebpf.SockOps,
+		License: "GPL",
+		Instructions: asm.Instructions{
+			// key = 0 on the stack; r0 = bpf_map_lookup_elem(map, &key)
+			asm.Mov.Imm(asm.R1, 0),
+			asm.StoreMem(asm.RFP, -4, asm.R1, asm.Word),
+			asm.Mov.Reg(asm.R2, asm.RFP),
+			asm.Add.Imm(asm.R2, -4),
+			asm.LoadMapPtr(asm.R1, m.FD()),
+			asm.FnMapLookupElem.Call(),
+			asm.JEq.Imm(asm.R0, 0, "exit"),
+			// r0 = cmpxchg(*(u64 *)r1, old r0 = 0, new r2 = 1)
+			asm.Mov.Reg(asm.R1, asm.R0),
+			asm.Mov.Imm(asm.R0, 0),
+			asm.Mov.Imm(asm.R2, 1),
+			atomicMem(op, asm.R1, asm.R2, asm.DWord, 0),
+			asm.Mov.Imm(asm.R0, 1).WithSymbol("exit"),
+			asm.Return(),
+		},
+	}, ebpf.ProgramOptions{LogLevel: ebpf.LogLevelBranch})
+	if err != nil {
+		var verr *ebpf.VerifierError
+		if errors.As(err, &verr) && errors.Is(err, unix.EINVAL) {
+			return fmt.Errorf("verifier rejects atomic %v (%s): %w", op, lastLine(verr.Log), ebpf.ErrNotSupported)
+		}
+		return fmt.Errorf("load program: %w", err)
+	}
+	return prog.Close()
+}
+
+// atomicMem is op.Mem with the operation also in the immediate. cilium/ebpf
+// v0.22.0 reads the immediate before it derives it from the opcode when
+// marshaling, so op.Mem alone reaches the kernel with imm 0: an atomic ADD,
+// which every kernel with BPF_ATOMIC accepts. Programs loaded from ELF keep
+// their immediate and are not affected. TestAtomicMemEncoding guards this.
+func atomicMem(op asm.AtomicOp, dst, src asm.Register, size asm.Size, off int16) asm.Instruction {
+	ins := op.Mem(dst, src, size, off)
+	ins.Constant = int64(op >> 8)
+	return ins
+}
+
+func lastLine(log []string) string {
+	for i := len(log) - 1; i >= 0; i-- {
+		if s := strings.TrimSpace(log[i]); s != "" {
+			return s
+		}
+	}
+	return "no verifier log"
+}
+
+// cgroupLink attaches a sock_ops program with BPF_LINK_CREATE to a throwaway
+// child of the cgroup v2 root (no process is in it, so nothing runs) and
+// closes it again. Links are what make the attachment pinnable and
+// replaceable without a gap.
+func (p *prober) cgroupLink() {
+	if p.cgroup2 == "" {
+		p.add(Check{Name: CheckCgroupLink, Required: true, Status: StatusWarn,
+			Detail: "not probed: cgroup v2 missing", Fix: "fix " + CheckCgroup2 + " first"})
+		return
+	}
+	var where string
+	p.feature(CheckCgroupLink, true, "pinnable, atomically replaceable cgroup attach", MinKernel, configCgroup, func() error {
+		var err error
+		where, err = attachCgroupLink(p.cgroup2)
+		return err
+	})
+	if c := &p.checks[len(p.checks)-1]; c.Status == StatusOK {
+		c.Detail = "BPF_LINK_CREATE on " + where + ": pinnable, atomically replaceable attach"
+	}
+}
+
+func attachCgroupLink(root string) (where string, err error) {
+	prog, err := ebpf.NewProgramWithOptions(&ebpf.ProgramSpec{
+		Type:       ebpf.SockOps,
+		AttachType: ebpf.AttachCGroupSockOps,
+		License:    "GPL",
+		// Returns 1 without writing reply: every sock_ops decision keeps the
+		// kernel default (reply 0 reads as "no opinion") and the replies of
+		// other programs attached to the same cgroup are kept. Returning 0
+		// would make the kernel discard their replies.
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()},
+	}, ebpf.ProgramOptions{})
+	if err != nil {
+		return "", fmt.Errorf("load sock_ops program: %w", err)
+	}
+	defer prog.Close()
+
+	where = filepath.Join(root, fmt.Sprintf("%s%d", tempPrefix, os.Getpid()))
+	if mkErr := os.Mkdir(where, 0o755); mkErr == nil {
+		defer os.Remove(where)
+	} else {
+		// No write access to cgroupfs (a container, or capabilities without
+		// CAP_DAC_OVERRIDE): attach to the root itself for an instant; the
+		// program above changes nothing for the sockets it sees.
+		where = root
+	}
+	dir, err := os.Open(where)
+	if err != nil {
+		return where, fmt.Errorf("open cgroup: %w", err)
+	}
+	defer dir.Close()
+	l, err := link.AttachRawLink(link.RawLinkOptions{
+		Target:  int(dir.Fd()),
+		Program: prog,
+		Attach:  ebpf.AttachCGroupSockOps,
+	})
+	if err != nil {
+		if errors.Is(err, unix.EINVAL) {
+			err = fmt.Errorf("%v: %w", err, ebpf.ErrNotSupported)
+		}
+		return where, fmt.Errorf("attach sock_ops link to %s: %w", where, err)
+	}
+	return where, l.Close()
+}
+
+// sockmapLink attaches an sk_msg program to an empty SOCKHASH with
+// BPF_LINK_CREATE (Linux 6.10). Required: the agent pins the sk_msg link so a
+// restarted agent can replace the program atomically.
+// spliceLimitation names what no kernel meshwarp runs on can do yet: splice(2)
+// from a socket reads only its TCP queue (tcp_splice_read), never the queue
+// that redirected bytes wait in. Upstream patches adding splice_read to
+// tcp_bpf were not merged when this was written; no BPF hook here can make
+// such a splice fail over to read(2) (no BPF LSM, no kprobes: EPERM).
+func (p *prober) spliceLimitation() {
+	p.add(Check{Name: CheckSpliceLimit, Status: StatusWarn,
+		Detail: "limitation: a process that reads an accelerated socket with splice(2) does not see the " +
+			"redirected bytes (this kernel has no splice_read for sockmap ingress). meshwarp " +
+			"watches splice(2) in the attached cgroup and keeps later connections on that socket's ports " +
+			"on TCP, but the connection that revealed the reader has already lost them",
+		Fix: "exclude the ports of splice readers up front: --exclude-ports (HAProxy with option splice-*, " +
+			"Go io.Copy/ReadFrom between two TCP connections)"})
+}
+
+func (p *prober) sockmapLink() {
+	p.feature(CheckSockmapLink, true, "sk_msg attach as a pinnable link (Linux 6.10)",
+		kernelLinkSock, configSockMsg, attachSockmapLink)
+}
+
+func attachSockmapLink() error {
+	m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.SockHash, KeySize: 4, ValueSize: 8, MaxEntries: 1})
+	if err != nil {
+		return fmt.Errorf("create sockhash: %w", err)
+	}
+	defer m.Close()
+	prog, err := ebpf.NewProgramWithOptions(&ebpf.ProgramSpec{
+		Type:         ebpf.SkMsg,
+		AttachType:   ebpf.AttachSkMsgVerdict,
+		License:      "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1 /* SK_PASS */), asm.Return()},
+	}, ebpf.ProgramOptions{})
+	if err != nil {
+		return fmt.Errorf("load sk_msg program: %w", err)
+	}
+	defer prog.Close()
+	l, err := link.AttachRawLink(link.RawLinkOptions{
+		Target:  m.FD(),
+		Program: prog,
+		Attach:  ebpf.AttachSkMsgVerdict,
+	})
+	if err != nil {
+		if errors.Is(err, unix.EINVAL) {
+			err = fmt.Errorf("%v: %w", err, ebpf.ErrNotSupported)
+		}
+		return fmt.Errorf("attach sk_msg link to sockhash: %w", err)
+	}
+	return l.Close()
+}
