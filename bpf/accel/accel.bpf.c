@@ -205,6 +205,20 @@ static __always_inline void count_conn(__u32 reason)
 }
 
 /*
+ * A connecting socket that stays off mw_sock_hash from the start: counted as
+ * a connection left to TCP and as a socket kept off the data path.
+ */
+static __always_inline void keep_off(__u32 reason)
+{
+	struct mw_counters *c = counters();
+
+	if (c && reason < MW_REASON_MAX) {
+		c->passthrough_conns[reason]++;
+		c->sockets_removed[reason]++;
+	}
+}
+
+/*
  * Take a socket of a PASSTHROUGH connection out of mw_sock_hash (see the
  * header: it never was and never will be a redirect target). Only sock_ops
  * (and its timer callbacks) may delete from a SOCKHASH.
@@ -395,15 +409,15 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 
 	sockops_tuple(skops, &t);
 	if (!policy_allows(&t.remote)) {
-		count_conn(MW_REASON_POLICY);
+		keep_off(MW_REASON_POLICY);
 		return;
 	}
 	if (bpf_map_lookup_elem(&mw_splice_rport, &t.remote.port_host)) {
-		count_conn(MW_REASON_SPLICE_READER);
+		keep_off(MW_REASON_SPLICE_READER);
 		return;
 	}
 	if (!take_syn_hint(&t.local)) {
-		count_conn(MW_REASON_NO_LOCAL_PEER);
+		keep_off(MW_REASON_NO_LOCAL_PEER);
 		return;
 	}
 	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);

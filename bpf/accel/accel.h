@@ -119,7 +119,11 @@ struct mw_counters {
 	__u64 hop_msgs[MW_HOP_MAX];
 	__u64 hop_bytes[MW_HOP_MAX];
 	__u64 splice_socket_reads; /* splice(2) from a socket by a process in the cgroup */
-	/* Sockets taken out of mw_sock_hash again, by the reason of their connection. */
+	/*
+	 * Connecting sockets kept off mw_sock_hash from the start (policy,
+	 * splice_reader, no_local_peer) or taken out of it again, by the reason
+	 * of their connection: from then on they are plain TCP sockets.
+	 */
 	__u64 sockets_removed[MW_REASON_MAX];
 };
 

@@ -259,6 +259,9 @@ func TestPrivilegedNoHarmServerOutsideCgroup(t *testing.T) {
 		if got := d.PassthroughConnections["no_local_peer"]; got != uint64(len(exchangeCases)) {
 			t.Fatalf("no_local_peer connections = %d, want %d (%v)", got, len(exchangeCases), d.PassthroughConnections)
 		}
+		if got := d.RemovedSockets["no_local_peer"]; got != uint64(len(exchangeCases)) {
+			t.Fatalf("sockets kept off the SOCKHASH as no_local_peer = %d, want %d (%v)", got, len(exchangeCases), d.RemovedSockets)
+		}
 		if d.RedirectedMessages+d.PassthroughMessages != 0 {
 			t.Fatalf("the sk_msg program ran on sockets it cannot accelerate: %d redirected, %d passed", d.RedirectedMessages, d.PassthroughMessages)
 		}
@@ -333,4 +336,40 @@ func TestPrivilegedNoHarmPassthroughFIONREAD(t *testing.T) {
 			}
 		})
 	})
+}
+
+// Pairing races removal: with an unpaired timeout far below the time the
+// accepted side takes to be established on a busy machine, connections end
+// up on both sides of the race (paired, or left to TCP by the timer while
+// the accepted side is on its way). None may lose, duplicate or reorder a
+// byte, and once all are closed the SOCKHASH is empty and the gauge is 0.
+func TestPrivilegedPairingRacesRemoval(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	for _, timeout := range []time.Duration{20 * time.Microsecond, 200 * time.Microsecond} {
+		t.Run(timeout.String(), func(t *testing.T) {
+			a := startAgent(t, Config{UnpairedTimeout: timeout})
+			target := echoOn(t, "127.0.0.1:0")
+			res := testutil.CheckIntegrity(dialer(target), testutil.IntegrityOptions{Conns: 200, Messages: 6, MaxSize: 16 << 10, Seed: 11})
+			if err := res.Err(); err != nil {
+				t.Fatal(err)
+			}
+			s := stats(t, a)
+			t.Logf("paired sockets %d, removed %v, passthrough conns %v", s.PairedSockets, s.RemovedSockets, s.PassthroughConnections)
+			if s.PairedSockets == 0 && s.RemovedSockets["unpaired_timeout"] == 0 {
+				t.Fatal("neither pairing nor the timer acted: the race was not run")
+			}
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				left := sockhashCookies(t, a)
+				s = stats(t, a)
+				if len(left) == 0 && s.AcceleratedSockets == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("after every connection closed: %d sockets in the SOCKHASH, gauge %d", len(left), s.AcceleratedSockets)
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		})
+	}
 }

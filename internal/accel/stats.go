@@ -23,9 +23,10 @@ type Stats struct {
 	// PassthroughConnections counts connections left to TCP, by reason
 	// (including those never seen by sk_msg, such as policy exclusions).
 	PassthroughConnections map[string]uint64 `json:"passthrough_connections_by_reason"`
-	// RemovedSockets counts sockets taken out of the SOCKHASH again because
-	// their connection was left to TCP, by reason: the kernel gives them
-	// plain TCP back. Sockets of no_local_peer connections never join it.
+	// RemovedSockets counts sockets kept off the SOCKHASH from the start
+	// (policy, splice_reader, no_local_peer: the connecting socket) or taken
+	// out of it again because their connection was left to TCP, by reason:
+	// from then on they are plain TCP sockets.
 	RemovedSockets map[string]uint64 `json:"removed_sockets_by_reason"`
 	PairedSockets  uint64            `json:"paired_sockets_total"`
 	SockhashFull   uint64            `json:"sockhash_full"`

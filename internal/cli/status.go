@@ -42,9 +42,10 @@ attached). Counters are cumulative across agent restarts.
     policy          excluded by port/CIDR policy (connections only)
     splice_reader   a socket on the same port was read with splice(2), which cannot see
                     redirected bytes: later connections on that port stay on TCP
-  removed_sockets_by_reason  sockets taken out of the SOCKHASH again once their
-                          connection was left to TCP: from then on they are plain TCP
-                          sockets (no per-message cost, native FIONREAD and splice)
+  removed_sockets_by_reason  sockets kept off the SOCKHASH (the connecting socket of a
+                          no_local_peer, policy or splice_reader connection) or taken out
+                          of it once their connection was left to TCP: from then on they
+                          are plain TCP sockets (no per-message cost, native FIONREAD and splice)
   other_sockmap_programs  sock_ops/sk_msg programs of other tools on this node; a socket
                           whose sk_msg belongs to them stays on TCP (sockmap_busy)
   hops                    per mesh hop: app_to_sidecar, sidecar_to_sidecar, sidecar_to_app, direct

@@ -38,7 +38,7 @@ var (
 	descPassConns = prometheus.NewDesc("meshwarp_accel_passthrough_connections_total",
 		"Connections left to the normal TCP stack, by reason.", []string{"reason"}, nil)
 	descRemoved = prometheus.NewDesc("meshwarp_accel_removed_sockets_total",
-		"Sockets taken out of the SOCKHASH again because their connection was left to TCP (plain TCP from then on), by reason.", []string{"reason"}, nil)
+		"Sockets kept off the SOCKHASH or taken out of it again because their connection was left to TCP (plain TCP sockets from then on), by reason.", []string{"reason"}, nil)
 	descFull = prometheus.NewDesc("meshwarp_accel_sockhash_full_total",
 		"Sockets not accelerated because the SOCKHASH was at capacity.", nil, nil)
 	descHopConns = prometheus.NewDesc("meshwarp_accel_hop_paired_connections_total",
