@@ -5,6 +5,7 @@ package accel
 import (
 	"bufio"
 	"bytes"
+	"encoding/json"
 	"io"
 	"net"
 	"net/http"
@@ -225,6 +226,24 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 		t.Fatalf("%d connections were reset", n)
 	}
 	t.Logf("100 streams survived kill/restart/upgrade/uninstall: %d bytes echoed intact", res.BytesEcho)
+	// Once the streams are closed, status no longer counts them: the count
+	// comes from the detached SOCKHASH, which the kernel empties on close.
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		out, _ := exec.Command(meshwarpBinary(t), "status", "--json", "--pin-dir", pinDir).Output()
+		var st struct {
+			Detached *uint64 `json:"detached_accelerated_sockets"`
+		}
+		if err := json.Unmarshal(out, &st); err != nil || st.Detached == nil {
+			t.Fatalf("status --json without an agent: %v\n%s", err, out)
+		}
+		if *st.Detached == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("status still reports %d sockets of the uninstalled agent after every stream closed", *st.Detached)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 	if out := testutil.Run(t, "bpftool", "cgroup", "show", cgroup); strings.Contains(out, "sock_ops") {
 		t.Fatalf("sock_ops still attached to %s:\n%s", cgroup, out)
 	}

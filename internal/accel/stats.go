@@ -256,20 +256,22 @@ func subMap(a, b map[string]uint64) map[string]uint64 {
 	return out
 }
 
-// DetachedStats reads the counters of data paths that are no longer pinned
-// (after an uninstall or cleanup) but still alive because accelerated
-// sockets hold them: those connections keep working until they close, and
-// this is how `status` can still show them. The map pinned at pinDir, if
-// any, is skipped.
-func DetachedStats(pinDir string) ([]Stats, error) {
+// DetachedSockets counts the sockets still in the SOCKHASH of data paths
+// that are no longer pinned (after an uninstall or cleanup) but alive
+// because those sockets hold them: their connections keep moving
+// socket-to-socket until they close, and the kernel takes each socket out
+// of the map when it closes, so the count is exact (counters are not: with
+// sock_ops detached, no close is counted any more). The map pinned at
+// pinDir, if any, is skipped.
+func DetachedSockets(pinDir string) (uint64, error) {
 	var pinnedID ebpf.MapID
-	if m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, "mw_stats"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, "mw_sock_hash"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
 		if info, err := m.Info(); err == nil {
 			pinnedID, _ = info.ID()
 		}
 		m.Close()
 	}
-	var out []Stats
+	var open uint64
 	for id, err := ebpf.MapGetNextID(0); err == nil; id, err = ebpf.MapGetNextID(id) {
 		if id == pinnedID {
 			continue
@@ -279,12 +281,15 @@ func DetachedStats(pinDir string) ([]Stats, error) {
 			continue // gone meanwhile, or not ours to open
 		}
 		info, err := m.Info()
-		if err == nil && info.Name == "mw_stats" && info.Type == ebpf.PerCPUArray {
-			if s, err := readStats(m); err == nil {
-				out = append(out, s)
+		if err == nil && info.Name == "mw_sock_hash" && info.Type == ebpf.SockHash {
+			var key accelMwSockKey
+			var cookie uint64
+			it := m.Iterate()
+			for it.Next(&key, &cookie) {
+				open++
 			}
 		}
 		m.Close()
 	}
-	return out, nil
+	return open, nil
 }

@@ -116,11 +116,7 @@ func printStatus(w io.Writer, pinDir string, s accel.Stats) {
 // connections were open: nothing is attached, but those connections still
 // move socket-to-socket until they close.
 func printDetached(w io.Writer, pinDir string, asJSON bool, notPinned error) error {
-	detached, _ := accel.DetachedStats(pinDir)
-	var open uint64
-	for _, d := range detached {
-		open += d.AcceleratedSockets
-	}
+	open, _ := accel.DetachedSockets(pinDir)
 	if asJSON {
 		enc := json.NewEncoder(w)
 		enc.SetIndent("", "  ")
