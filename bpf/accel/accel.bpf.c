@@ -66,10 +66,14 @@ const volatile __u32 inbound_capture_port;
  * the handshake's last ACK is lost.
  */
 const volatile __u64 unpaired_timeout_ns;
+/* Unread redirected bytes a receiver may hold before its sender falls back to TCP. */
+const volatile __u32 redirect_budget_bytes;
 /* A SYN hint older than this is stale (a SYN-ACK round trip on one node is far shorter). */
 #define MW_SYN_HINT_TTL_NS (1000ULL * 1000 * 1000)
 
 #define CLOCK_MONOTONIC 1
+/* SK_USER_DATA_NOCOPY | SK_USER_DATA_BPF | SK_USER_DATA_PSOCK (include/net/sock.h) */
+#define MW_SK_USER_DATA_FLAGS 7
 #define EBUSY 16
 
 /* Capacity is set by the loader (MaxEntries); this is the default. */
@@ -326,6 +330,24 @@ static __always_inline bool policy_allows(const struct mw_endpoint *dst)
 	return true;
 }
 
+/*
+ * Why this socket must not be paired, whatever its peer: 0 if none.
+ * TCP_REPAIR: its owner chose its sequence numbers (no handshake), so they
+ * prove nothing. SO_RCVLOWAT > 1: tcp_bpf's recvmsg ignores the low mark.
+ */
+static __always_inline __u32 socket_unfit(struct bpf_sock *sk)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+
+	if (!tp)
+		return MW_REASON_TCP_REPAIR;
+	if (BPF_CORE_READ_BITFIELD(tp, repair))
+		return MW_REASON_TCP_REPAIR;
+	if (tp->inet_conn.icsk_inet.sk.sk_rcvlowat > 1)
+		return MW_REASON_RCVLOWAT;
+	return 0;
+}
+
 /* The uid owning the socket (the process that created it), via BTF. */
 static __always_inline __u32 socket_uid(struct bpf_sock *sk)
 {
@@ -408,6 +430,11 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	long err;
 
 	sockops_tuple(skops, &t);
+	reason = socket_unfit(sk);
+	if (reason) {
+		keep_off(reason);
+		return;
+	}
 	if (!policy_allows(&t.remote)) {
 		keep_off(MW_REASON_POLICY);
 		return;
@@ -426,6 +453,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	st->role = MW_ROLE_ACTIVE;
 
 	conn.active_cookie = bpf_get_socket_cookie(skops);
+	conn.active_sk = (__u64)(unsigned long)sk;
 	conn.active_local = t.local;
 	conn.state = MW_CONN_PENDING;
 	conn.active_is_sidecar = socket_uid(sk) == sidecar_uid;
@@ -519,6 +547,11 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	}
 
 	sockops_tuple(skops, &t);
+	reason = socket_unfit(sk);
+	if (reason) {
+		passive_gives_up(&id, c, reason);
+		return;
+	}
 	if (bpf_map_lookup_elem(&mw_splice_lport, &t.local.port_host)) {
 		passive_gives_up(&id, c, MW_REASON_SPLICE_READER);
 		return;
@@ -551,6 +584,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 
 	hop = classify_hop(t.local.port_host, c);
 	c->hop = hop;
+	c->passive_sk = (__u64)(unsigned long)sk;
 	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PAIRED) != MW_CONN_PENDING) {
 		/*
 		 * The active side sent its first byte by TCP (or timed out) since
@@ -564,6 +598,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	}
 	st->peer = key;
 	st->peer.role = MW_ROLE_ACTIVE;
+	st->peer_sk = c->active_sk;
 	st->hop = hop;
 	st->decision = MW_CONN_PAIRED;
 	st->paired = 1;
@@ -639,6 +674,26 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	return 1;
 }
 
+/*
+ * Bytes redirected to the peer socket that it has not read yet: its psock's
+ * msg_tot_len (the queue FIONREAD reports on a paired socket). sk_msg cannot
+ * take a reference on the peer (no bpf_sk_release here), so the address
+ * recorded at pairing is read with fault-free probe reads.
+ */
+static __always_inline __u32 peer_backlog(__u64 peer_sk)
+{
+	__u64 user_data;
+
+	if (!peer_sk)
+		return 0;
+	user_data = (__u64)BPF_CORE_READ((struct sock *)peer_sk, sk_user_data);
+	/* The low bits of sk_user_data are flags (SK_USER_DATA_PTRMASK). */
+	user_data &= ~(__u64)MW_SK_USER_DATA_FLAGS;
+	if (!user_data)
+		return 0;
+	return BPF_CORE_READ((struct sk_psock *)user_data, msg_tot_len);
+}
+
 /* Decide once per socket, on its first message; cache the answer in sk_storage. */
 static __always_inline void decide(struct mw_sk_state *st)
 {
@@ -660,6 +715,7 @@ static __always_inline void decide(struct mw_sk_state *st)
 	}
 	if (c->state == MW_CONN_PAIRED) {
 		st->decision = MW_CONN_PAIRED;
+		st->peer_sk = c->passive_sk;
 		st->hop = c->hop;
 		st->paired = 1;
 		return;
@@ -688,8 +744,32 @@ int mw_skmsg(struct sk_msg_md *msg)
 	cnt = counters();
 	if (st->decision == MW_CONN_PAIRED) {
 		__u32 hop = st->hop;
+		__u32 state = sk->state;
 
-		if (bpf_msg_redirect_hash(msg, &mw_sock_hash, &st->peer, BPF_F_INGRESS) == SK_PASS) {
+		/*
+		 * After shutdown(SHUT_WR) (FIN_WAIT*, LAST_ACK, ...) TCP refuses the
+		 * write with EPIPE; a redirect would deliver bytes after the FIN.
+		 * The connection stays paired: the other direction is unchanged.
+		 */
+		if (state != BPF_TCP_ESTABLISHED && state != BPF_TCP_CLOSE_WAIT) {
+			if (cnt) {
+				cnt->passthrough_msgs[MW_REASON_SEND_SHUTDOWN]++;
+				cnt->passthrough_bytes[MW_REASON_SEND_SHUTDOWN] += size;
+			}
+			return SK_PASS;
+		}
+		/*
+		 * The redirect ignores the receiver's buffer limits. Once the
+		 * receiver has more than redirect_budget_bytes unread, this
+		 * direction continues on TCP for good, whose flow control then
+		 * blocks the writer. Order holds: the receiver reads its redirect
+		 * queue (tcp_bpf_recvmsg) before the TCP queue.
+		 */
+		if (peer_backlog(st->peer_sk) + size > redirect_budget_bytes) {
+			st->decision = MW_CONN_PASSTHROUGH;
+			st->reason = MW_REASON_BACKPRESSURE;
+			count_conn(MW_REASON_BACKPRESSURE);
+		} else if (bpf_msg_redirect_hash(msg, &mw_sock_hash, &st->peer, BPF_F_INGRESS) == SK_PASS) {
 			if (cnt) {
 				cnt->redirected_msgs++;
 				cnt->redirected_bytes += size;
@@ -699,13 +779,14 @@ int mw_skmsg(struct sk_msg_md *msg)
 				}
 			}
 			return SK_PASS;
+		} else {
+			/*
+			 * The peer socket is gone (closed): the connection is over on
+			 * the other side, so TCP answers (RST) exactly as without meshwarp.
+			 */
+			st->decision = MW_CONN_PASSTHROUGH;
+			st->reason = MW_REASON_PEER_CLOSED;
 		}
-		/*
-		 * The peer socket is gone (closed): the connection is over on the
-		 * other side, so TCP answers (RST) exactly as without meshwarp.
-		 */
-		st->decision = MW_CONN_PASSTHROUGH;
-		st->reason = MW_REASON_PEER_CLOSED;
 	}
 	reason = st->reason;
 	if (cnt && reason < MW_REASON_MAX) {

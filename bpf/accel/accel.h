@@ -60,7 +60,11 @@ enum mw_reason {
 	MW_REASON_NO_LOCAL_PEER = 8,  /* no listener of the attached cgroup saw this connection's SYN */
 	MW_REASON_UNPAIRED_TIMEOUT = 9, /* the peer did not join within unpaired_timeout_ns */
 	MW_REASON_SOCKMAP_BUSY = 10,  /* another program's sockmap already owns the socket's sk_msg */
-	MW_REASON_MAX = 11,
+	MW_REASON_SEND_SHUTDOWN = 11, /* write after shutdown(SHUT_WR): TCP answers EPIPE (messages only) */
+	MW_REASON_BACKPRESSURE = 12,  /* receiver fell behind by redirect_budget_bytes: direction on TCP */
+	MW_REASON_TCP_REPAIR = 13,    /* socket in TCP_REPAIR mode: its sequence numbers prove nothing */
+	MW_REASON_RCVLOWAT = 14,      /* SO_RCVLOWAT set before the connection: redirect ignores it */
+	MW_REASON_MAX = 15,
 };
 
 /* Which mesh hop a paired connection is. */
@@ -92,6 +96,16 @@ struct mw_conn {
 	enum mw_reason reason;           /* when PASSTHROUGH */
 	enum mw_hop hop;                 /* written before state becomes PAIRED */
 	__u32 active_is_sidecar;         /* the connecting socket belongs to the sidecar uid */
+	__u32 _pad;
+	/*
+	 * Kernel addresses of the two sockets (struct sock), for reading the
+	 * peer's redirect queue depth with bpf_probe_read_kernel. Read only while
+	 * the connection is PAIRED; a read after the peer was freed is harmless
+	 * (probe reads do not fault, and a closed peer sends its writer to TCP
+	 * whatever the value).
+	 */
+	__u64 active_sk;
+	__u64 passive_sk;
 };
 
 /* Per-socket state (sk_storage), freed by the kernel with the socket. */
@@ -103,6 +117,8 @@ struct mw_sk_state {
 	__u32 hop;
 	__u32 owns_conn; /* this socket created the mw_conns entry and deletes it on close */
 	__u32 paired;    /* counted in sockets_paired; sticks when decision later changes */
+	__u32 _pad;
+	__u64 peer_sk;   /* the peer's struct sock address (see struct mw_conn) */
 };
 
 /* Counters, one copy per CPU (summed by Go). Cumulative. */

@@ -31,7 +31,9 @@ type accelMwConn struct {
 	Reason          accelMwReason
 	Hop             accelMwHop
 	ActiveIsSidecar uint32
-	_               [4]byte
+	Pad             uint32
+	ActiveSk        uint64
+	PassiveSk       uint64
 }
 
 type accelMwConnId struct {
@@ -47,14 +49,14 @@ type accelMwCounters struct {
 	RedirectedMsgs    uint64
 	RedirectedBytes   uint64
 	SockhashFull      uint64
-	PassthroughMsgs   [11]uint64
-	PassthroughBytes  [11]uint64
-	PassthroughConns  [11]uint64
+	PassthroughMsgs   [15]uint64
+	PassthroughBytes  [15]uint64
+	PassthroughConns  [15]uint64
 	HopConns          [4]uint64
 	HopMsgs           [4]uint64
 	HopBytes          [4]uint64
 	SpliceSocketReads uint64
-	SocketsRemoved    [11]uint64
+	SocketsRemoved    [15]uint64
 }
 
 type accelMwEndpoint struct {
@@ -93,7 +95,11 @@ const (
 	accelMwReasonMW_REASON_NO_LOCAL_PEER    accelMwReason = 8
 	accelMwReasonMW_REASON_UNPAIRED_TIMEOUT accelMwReason = 9
 	accelMwReasonMW_REASON_SOCKMAP_BUSY     accelMwReason = 10
-	accelMwReasonMW_REASON_MAX              accelMwReason = 11
+	accelMwReasonMW_REASON_SEND_SHUTDOWN    accelMwReason = 11
+	accelMwReasonMW_REASON_BACKPRESSURE     accelMwReason = 12
+	accelMwReasonMW_REASON_TCP_REPAIR       accelMwReason = 13
+	accelMwReasonMW_REASON_RCVLOWAT         accelMwReason = 14
+	accelMwReasonMW_REASON_MAX              accelMwReason = 15
 )
 
 type accelMwSkState struct {
@@ -105,6 +111,9 @@ type accelMwSkState struct {
 	Hop      uint32
 	OwnsConn uint32
 	Paired   uint32
+	Pad      uint32
+	_        [4]byte
+	PeerSk   uint64
 }
 
 type accelMwSockKey struct {
@@ -143,6 +152,7 @@ const (
 	accelProgMwSpliceWatch      = "mw_splice_watch"
 	accelVarInboundCapturePort  = "inbound_capture_port"
 	accelVarOutboundCapturePort = "outbound_capture_port"
+	accelVarRedirectBudgetBytes = "redirect_budget_bytes"
 	accelVarSidecarUid          = "sidecar_uid"
 	accelVarUnpairedTimeoutNs   = "unpaired_timeout_ns"
 )
@@ -219,6 +229,7 @@ type accelMapSpecs struct {
 type accelVariableSpecs struct {
 	InboundCapturePort  *ebpf.VariableSpec `ebpf:"inbound_capture_port"`
 	OutboundCapturePort *ebpf.VariableSpec `ebpf:"outbound_capture_port"`
+	RedirectBudgetBytes *ebpf.VariableSpec `ebpf:"redirect_budget_bytes"`
 	SidecarUid          *ebpf.VariableSpec `ebpf:"sidecar_uid"`
 	UnpairedTimeoutNs   *ebpf.VariableSpec `ebpf:"unpaired_timeout_ns"`
 }
@@ -282,6 +293,7 @@ func (m *accelMaps) Close() error {
 type accelVariables struct {
 	InboundCapturePort  *ebpf.Variable `ebpf:"inbound_capture_port"`
 	OutboundCapturePort *ebpf.Variable `ebpf:"outbound_capture_port"`
+	RedirectBudgetBytes *ebpf.Variable `ebpf:"redirect_budget_bytes"`
 	SidecarUid          *ebpf.Variable `ebpf:"sidecar_uid"`
 	UnpairedTimeoutNs   *ebpf.Variable `ebpf:"unpaired_timeout_ns"`
 }

@@ -51,6 +51,13 @@ const (
 // lost) before it leaves for plain TCP.
 const DefaultUnpairedTimeout = 10 * time.Millisecond
 
+// DefaultRedirectBudget bounds the redirected bytes a receiver may leave
+// unread before its sender continues on TCP: the redirect itself ignores the
+// receiver's buffer limits, TCP's flow control does not. With TCP's own
+// buffers on top, a writer to a reader that stops blocks after a few MB, as
+// on plain TCP.
+const DefaultRedirectBudget = 1 << 20
+
 // DefaultCapacity is the default number of sockets (and connections) tracked.
 const DefaultCapacity = 65536
 
@@ -77,6 +84,8 @@ type Config struct {
 	SockhashCapacity uint32
 	// UnpairedTimeout: see DefaultUnpairedTimeout; 0 means that.
 	UnpairedTimeout time.Duration
+	// RedirectBudget: see DefaultRedirectBudget; 0 means that.
+	RedirectBudget uint32
 }
 
 func (c *Config) setDefaults() {
@@ -97,6 +106,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.UnpairedTimeout == 0 {
 		c.UnpairedTimeout = DefaultUnpairedTimeout
+	}
+	if c.RedirectBudget == 0 {
+		c.RedirectBudget = DefaultRedirectBudget
 	}
 }
 
@@ -170,6 +182,7 @@ func Start(cfg Config, logger *slog.Logger) (_ *Agent, err error) {
 		"outbound_capture_port": uint32(cfg.OutboundPort),
 		"inbound_capture_port":  uint32(cfg.InboundPort),
 		"unpaired_timeout_ns":   uint64(cfg.UnpairedTimeout.Nanoseconds()),
+		"redirect_budget_bytes": cfg.RedirectBudget,
 	} {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, fmt.Errorf("set %s: %w", name, err)

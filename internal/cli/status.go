@@ -39,6 +39,11 @@ attached). Counters are cumulative across agent restarts.
     sockmap_busy    another program's sockmap already runs an sk_msg program on the socket
     key_collision   two live connections drew the same identity (both left to TCP)
     addr_mismatch   the peer saw another source address (SNAT): not provably a pair
+    backpressure    the receiver left more than the redirect budget unread: that direction
+                    continues on TCP, whose flow control blocks the writer
+    send_shutdown   a write after shutdown(SHUT_WR): TCP answers EPIPE (messages only)
+    tcp_repair      a socket in TCP_REPAIR mode (its sequence numbers prove nothing)
+    rcvlowat        SO_RCVLOWAT was set before the connection (the redirect ignores it)
     policy          excluded by port/CIDR policy (connections only)
     splice_reader   a socket on the same port was read with splice(2), which cannot see
                     redirected bytes: later connections on that port stay on TCP
