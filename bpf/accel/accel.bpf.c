@@ -9,6 +9,7 @@
  * Maps owned (all pinned by name so a restarted agent adopts them):
  *   mw_sock_hash    SOCKHASH  mw_sock_key -> socket
  *   mw_conns        HASH      mw_conn_id  -> mw_conn (the pairing decision)
+ *   mw_connecting, mw_src_addr, mw_unhinted   LRU_HASH   who may have a local peer
  *   mw_sk_store     SK_STORAGE             mw_sk_state per socket
  *   mw_stats        PERCPU_ARRAY           mw_counters
  *   mw_policy, mw_port_policy, mw_cidr_incl, mw_cidr_excl   policy
@@ -21,14 +22,22 @@
  * spliced socket are left to TCP (mw_splice_lport, mw_splice_rport).
  *
  * How a connection is paired (once, never changed):
- *   0. a listener of the cgroup gets a SYN (RWND_INIT, on the request socket,
- *      before the SYN-ACK is sent): note the SYN's source endpoint in
- *      mw_syn_hint. No note means no local peer in the cgroup: a remote host,
- *      a server outside the cgroup. Such sockets never join mw_sock_hash.
- *   1. active side ESTABLISHED: if its local endpoint was noted, create
- *      mw_conns[id] = PENDING, join mw_sock_hash, arm the unpaired timer.
- *   2. passive side ESTABLISHED: if mw_conns[id] is PENDING and its active
- *      endpoint is our remote endpoint, join mw_sock_hash, then PENDING -> PAIRED.
+ *   0. a socket of the cgroup connects (TCP_CONNECT_CB): note its source
+ *      endpoint in mw_connecting. A listener of the cgroup answers a SYN
+ *      (RWND_INIT, on the request socket, before the SYN-ACK is sent): if a
+ *      connecting socket uses the SYN's source endpoint, mark it answered;
+ *      else, if a socket of the cgroup is connecting from the SYN's source
+ *      address, NAT remapped the source port: count a remapped SYN for that
+ *      address (mw_src_addr). Neither means no local peer in the cgroup (a
+ *      remote host, a server outside the cgroup): such sockets never join
+ *      mw_sock_hash. The listener cannot read the SYN's sequence number, so
+ *      these notes only decide who joins; the pairing is proven in step 2.
+ *   1. active side ESTABLISHED: if its SYN was answered, or it claims one
+ *      remapped SYN of its address, create mw_conns[id] = PENDING, join
+ *      mw_sock_hash, arm the unpaired timer.
+ *   2. passive side ESTABLISHED: if mw_conns[id] is PENDING (both initial
+ *      sequence numbers match) and the active side's address is our remote
+ *      address, join mw_sock_hash, then PENDING -> PAIRED.
  *   3. active side's first sendmsg: if still PENDING, PENDING -> PASSTHROUGH:
  *      that byte goes by TCP, and so does every later byte in both directions.
  *   4. the timer: PENDING -> PASSTHROUGH (unpaired_timeout).
@@ -68,8 +77,10 @@ const volatile __u32 inbound_capture_port;
 const volatile __u64 unpaired_timeout_ns;
 /* Unread redirected bytes a receiver may hold before its sender falls back to TCP. */
 const volatile __u32 redirect_budget_bytes;
-/* A SYN hint older than this is stale (a SYN-ACK round trip on one node is far shorter). */
+/* An answered SYN older than this is stale (a SYN-ACK round trip on one node is far shorter). */
 #define MW_SYN_HINT_TTL_NS (1000ULL * 1000 * 1000)
+/* A connect older than this is not in flight any more (SYN retransmits come at 1 s and 3 s). */
+#define MW_CONNECT_TTL_NS (5000ULL * 1000 * 1000)
 
 #define CLOCK_MONOTONIC 1
 /* SK_USER_DATA_NOCOPY | SK_USER_DATA_BPF | SK_USER_DATA_PSOCK (include/net/sock.h) */
@@ -96,18 +107,40 @@ struct {
 } mw_conns SEC(".maps");
 
 /*
- * Source endpoints of SYNs that listeners of the cgroup answered, with the
- * time (ktime ns). Not keyed by netns: the active side may be in another
- * namespace. A hint only lets a socket join mw_sock_hash; the pairing itself
- * is proven by the sequence numbers (mw_conns) and the timer bounds a false hint.
+ * Step 0 notes, not keyed by netns: the active side may be in another
+ * namespace than its listener. They only let a socket join mw_sock_hash; the
+ * pairing itself is proven by the sequence numbers (mw_conns), and the timer
+ * bounds a wrong note.
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MW_DEFAULT_CAPACITY);
 	__type(key, struct mw_endpoint);
-	__type(value, __u64);
+	__type(value, struct mw_connect);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_syn_hint SEC(".maps");
+} mw_connecting SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MW_DEFAULT_CAPACITY);
+	__type(key, struct mw_addr);
+	__type(value, struct mw_src_addr);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_src_addr SEC(".maps");
+
+/*
+ * Connections whose connecting socket found no note (no_local_peer), with
+ * its source endpoint: if the accepted side turns out to be in the cgroup,
+ * it re-counts the connection under the precise reason (addr_mismatch,
+ * hint_missed).
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MW_DEFAULT_CAPACITY);
+	__type(key, struct mw_conn_id);
+	__type(value, struct mw_endpoint);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_unhinted SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
@@ -301,10 +334,10 @@ static __always_inline void sockops_tuple(struct bpf_sock_ops *skops, struct mw_
 	t->remote.port_host = rport;
 }
 
-static __always_inline bool endpoint_eq(const struct mw_endpoint *a, const struct mw_endpoint *b)
+static __always_inline bool addr_eq(const struct mw_endpoint *a, const struct mw_endpoint *b)
 {
-	return a->port_host == b->port_host && a->addr[0] == b->addr[0] && a->addr[1] == b->addr[1] &&
-	       a->addr[2] == b->addr[2] && a->addr[3] == b->addr[3];
+	return a->addr[0] == b->addr[0] && a->addr[1] == b->addr[1] && a->addr[2] == b->addr[2] &&
+	       a->addr[3] == b->addr[3];
 }
 
 /* Policy on the destination the application asked for (the active side's remote). */
@@ -394,31 +427,165 @@ static int on_unpaired_timeout(void *map, struct mw_conn_id *id, struct mw_conn 
 	return 0;
 }
 
+static __always_inline void addr_of(struct mw_addr *a, const struct mw_endpoint *e)
+{
+	__builtin_memcpy(a->addr, e->addr, sizeof(a->addr));
+}
+
+/*
+ * Ask for STATE_CB on this socket, keeping the callbacks other sock_ops
+ * programs of the node asked for (the flags are the socket's, not ours).
+ */
+static __always_inline void want_state_cb(struct bpf_sock_ops *skops, __u32 flags)
+{
+	if (!(flags & BPF_SOCK_OPS_STATE_CB_FLAG))
+		bpf_sock_ops_cb_flags_set(skops, flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+}
+
+/* One fewer connect from this address waits for its SYN to be answered. */
+static __always_inline void src_addr_settled(struct mw_src_addr *h)
+{
+	for (int i = 0; i < 4; i++) {
+		__u32 n = h->in_flight;
+
+		if (!n || __sync_val_compare_and_swap(&h->in_flight, n, n - 1) == n)
+			return;
+	}
+}
+
+/* Step 0: a socket of the cgroup connects; its SYN is about to leave. */
+static __always_inline void on_connect(struct bpf_sock_ops *skops, __u32 cb_flags)
+{
+	struct mw_tuple t = {};
+	struct mw_connect conn = {};
+	struct mw_src_addr fresh = {}, *h;
+	struct mw_addr addr = {};
+	__u64 now = bpf_ktime_get_ns();
+
+	sockops_tuple(skops, &t);
+	conn.connect_ns = now;
+	if (bpf_map_update_elem(&mw_connecting, &t.local, &conn, BPF_ANY))
+		return;
+	/* STATE_CB tells us when the connect fails (SYN_SENT -> CLOSE). */
+	want_state_cb(skops, cb_flags);
+	addr_of(&addr, &t.local);
+	h = bpf_map_lookup_elem(&mw_src_addr, &addr);
+	if (!h) {
+		bpf_map_update_elem(&mw_src_addr, &addr, &fresh, BPF_NOEXIST);
+		h = bpf_map_lookup_elem(&mw_src_addr, &addr);
+		if (!h)
+			return;
+	}
+	/* A count left by connects that vanished unseen (LRU eviction) expires. */
+	if (now - h->connect_ns > MW_CONNECT_TTL_NS)
+		h->in_flight = 0;
+	h->connect_ns = now;
+	__sync_fetch_and_add(&h->in_flight, 1);
+}
+
 /* Step 0: a listener of the cgroup answers a SYN (skops->sk is NULL here). */
 static __always_inline void on_syn(struct bpf_sock_ops *skops)
 {
 	struct mw_tuple t = {};
+	struct mw_connect *c;
+	struct mw_src_addr *h;
+	struct mw_addr addr = {};
 	__u64 now = bpf_ktime_get_ns();
 
 	sockops_tuple(skops, &t);
-	bpf_map_update_elem(&mw_syn_hint, &t.remote, &now, BPF_ANY);
+	addr_of(&addr, &t.remote);
+	h = bpf_map_lookup_elem(&mw_src_addr, &addr);
+	c = bpf_map_lookup_elem(&mw_connecting, &t.remote);
+	if (c && now - c->connect_ns < MW_CONNECT_TTL_NS) {
+		if (!c->answered_ns && h)
+			src_addr_settled(h);
+		c->answered_ns = now;
+		return;
+	}
+	/*
+	 * No socket of the cgroup connects from this endpoint. If one connects
+	 * from this address and still waits for its answer, NAT gave its SYN
+	 * another source port: it claims this SYN at ESTABLISHED. Otherwise the
+	 * client is not ours (outside the cgroup): nothing to note.
+	 */
+	if (!h || !h->in_flight || now - h->connect_ns > MW_CONNECT_TTL_NS)
+		return;
+	src_addr_settled(h);
+	if (now - h->remapped_ns > MW_SYN_HINT_TTL_NS)
+		h->remapped = 0;
+	h->remapped_ns = now;
+	__sync_fetch_and_add(&h->remapped, 1);
 }
 
-/* Whether a listener of the cgroup just answered a SYN from this endpoint. */
+/* Claim one remapped SYN of this address, if a fresh one is left. */
+static __always_inline bool claim_remapped(struct mw_src_addr *h, __u64 now)
+{
+	if (now - h->remapped_ns >= MW_SYN_HINT_TTL_NS)
+		return false;
+	for (int i = 0; i < 4; i++) {
+		__u32 n = h->remapped;
+
+		if (!n)
+			return false;
+		if (__sync_val_compare_and_swap(&h->remapped, n, n - 1) == n)
+			return true;
+	}
+	return false;
+}
+
+/*
+ * Whether a listener of the cgroup answered this socket's SYN: under its own
+ * source endpoint, or under a remapped port (claimed by address). The
+ * connect's notes are consumed either way.
+ */
 static __always_inline bool take_syn_hint(const struct mw_endpoint *local)
 {
-	__u64 *seen = bpf_map_lookup_elem(&mw_syn_hint, local);
-	bool fresh;
+	struct mw_connect *c = bpf_map_lookup_elem(&mw_connecting, local);
+	struct mw_addr addr = {};
+	struct mw_src_addr *h;
+	__u64 now = bpf_ktime_get_ns();
+	bool answered = false;
 
-	if (!seen)
+	if (c) {
+		answered = c->answered_ns && now - c->answered_ns < MW_SYN_HINT_TTL_NS;
+		bpf_map_delete_elem(&mw_connecting, local);
+	}
+	if (answered)
+		return true;
+	addr_of(&addr, local);
+	h = bpf_map_lookup_elem(&mw_src_addr, &addr);
+	if (!h)
 		return false;
-	fresh = bpf_ktime_get_ns() - *seen < MW_SYN_HINT_TTL_NS;
-	bpf_map_delete_elem(&mw_syn_hint, local);
-	return fresh;
+	if (claim_remapped(h, now))
+		return true;
+	/* Not answered here: its peer is remote, or the answer went unnoticed. */
+	src_addr_settled(h);
+	return false;
+}
+
+/* A connect failed (SYN_SENT -> CLOSE): it no longer waits for an answer. */
+static __always_inline void on_connect_failed(struct bpf_sock_ops *skops)
+{
+	struct mw_tuple t = {};
+	struct mw_connect *c;
+	struct mw_src_addr *h;
+	struct mw_addr addr = {};
+
+	sockops_tuple(skops, &t);
+	c = bpf_map_lookup_elem(&mw_connecting, &t.local);
+	if (!c)
+		return;
+	if (!c->answered_ns) {
+		addr_of(&addr, &t.local);
+		h = bpf_map_lookup_elem(&mw_src_addr, &addr);
+		if (h)
+			src_addr_settled(h);
+	}
+	bpf_map_delete_elem(&mw_connecting, &t.local);
 }
 
 static __always_inline void on_active_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
-						  __u32 snd_nxt, __u32 rcv_nxt)
+						  __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags)
 {
 	struct mw_tuple t = {};
 	struct mw_conn conn = {};
@@ -427,9 +594,12 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	struct mw_conn *c;
 	struct mw_conn_id id = { .active_isn1 = snd_nxt, .passive_isn1 = rcv_nxt };
 	__u32 reason;
+	bool hinted;
 	long err;
 
 	sockops_tuple(skops, &t);
+	/* Consume the connect's notes first, whatever happens next. */
+	hinted = take_syn_hint(&t.local);
 	reason = socket_unfit(sk);
 	if (reason) {
 		keep_off(reason);
@@ -443,7 +613,9 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		keep_off(MW_REASON_SPLICE_READER);
 		return;
 	}
-	if (!take_syn_hint(&t.local)) {
+	if (!hinted) {
+		/* If the accepted side is ours after all, it finds out why (step 2). */
+		bpf_map_update_elem(&mw_unhinted, &id, &t.local, BPF_ANY);
 		keep_off(MW_REASON_NO_LOCAL_PEER);
 		return;
 	}
@@ -480,7 +652,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	st->owns_conn = 1;
 	st->peer.conn = id;
 	/* STATE_CB lets us drop the mw_conns entry when this socket closes. */
-	bpf_sock_ops_cb_flags_set(skops, BPF_SOCK_OPS_STATE_CB_FLAG);
+	want_state_cb(skops, cb_flags);
 	c = bpf_map_lookup_elem(&mw_conns, &id);
 	if (!c)
 		return; /* cannot happen: this socket's close is the only delete */
@@ -516,6 +688,33 @@ static __always_inline __u32 classify_hop(__u32 passive_local_port, const struct
 	return MW_HOP_DIRECT;
 }
 
+/*
+ * Both ends of this connection are in the cgroup, but its connecting socket
+ * found no note (no_local_peer) and stayed off: re-count it under the
+ * precise reason. The source address differs when SNAT rewrote it; else the
+ * note was lost (a remapped port whose SYN another socket claimed, an
+ * evicted or late note).
+ */
+static __always_inline void missed_local_peer(const struct mw_conn_id *id, const struct mw_endpoint *remote)
+{
+	struct mw_endpoint *active_local = bpf_map_lookup_elem(&mw_unhinted, id);
+	struct mw_counters *c;
+	__u32 reason;
+
+	if (!active_local)
+		return;
+	reason = addr_eq(active_local, remote) ? MW_REASON_HINT_MISSED : MW_REASON_ADDR_MISMATCH;
+	bpf_map_delete_elem(&mw_unhinted, id);
+	c = counters();
+	if (!c)
+		return;
+	/* Per-CPU values may wrap below zero here; their sum stays exact. */
+	c->passthrough_conns[MW_REASON_NO_LOCAL_PEER]--;
+	c->sockets_removed[MW_REASON_NO_LOCAL_PEER]--;
+	c->passthrough_conns[reason]++;
+	c->sockets_removed[reason]++;
+}
+
 /* The connection will not be paired: the active socket leaves the hash. */
 static __always_inline void passive_gives_up(struct mw_conn_id *id, struct mw_conn *c, __u32 reason)
 {
@@ -525,7 +724,7 @@ static __always_inline void passive_gives_up(struct mw_conn_id *id, struct mw_co
 }
 
 static __always_inline void on_passive_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
-						   __u32 snd_nxt, __u32 rcv_nxt)
+						   __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags)
 {
 	struct mw_tuple t = {};
 	struct mw_sock_key key = {};
@@ -536,9 +735,13 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	__u32 hop, reason;
 	long err;
 
+	sockops_tuple(skops, &t);
 	c = bpf_map_lookup_elem(&mw_conns, &id);
-	if (!c)
-		return; /* the connecting socket is not ours: remote host, other cgroup or excluded */
+	if (!c) {
+		/* The connecting socket is not ours (remote host, other cgroup, excluded) or found no note. */
+		missed_local_peer(&id, &t.remote);
+		return;
+	}
 	if (c->state != MW_CONN_PENDING) {
 		/* Decided before we got here (first byte sent, timeout): release the active side. */
 		if (c->state == MW_CONN_PASSTHROUGH)
@@ -546,7 +749,6 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		return;
 	}
 
-	sockops_tuple(skops, &t);
 	reason = socket_unfit(sk);
 	if (reason) {
 		passive_gives_up(&id, c, reason);
@@ -556,8 +758,12 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		passive_gives_up(&id, c, MW_REASON_SPLICE_READER);
 		return;
 	}
-	/* REDIRECT/DNAT rewrite destinations, never the source: it must match. */
-	if (!endpoint_eq(&c->active_local, &t.remote)) {
+	/*
+	 * REDIRECT/DNAT rewrite the destination; the source address stays and
+	 * must match. The source port may not: conntrack remaps it when the
+	 * rewritten tuple collides with another entry.
+	 */
+	if (!addr_eq(&c->active_local, &t.remote)) {
 		passive_gives_up(&id, c, MW_REASON_ADDR_MISMATCH);
 		return;
 	}
@@ -602,13 +808,15 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	st->hop = hop;
 	st->decision = MW_CONN_PAIRED;
 	st->paired = 1;
-	bpf_sock_ops_cb_flags_set(skops, BPF_SOCK_OPS_STATE_CB_FLAG);
+	want_state_cb(skops, cb_flags);
 
 	cnt = counters();
 	if (cnt) {
 		cnt->sockets_paired += 2;
 		if (hop < MW_HOP_MAX)
 			cnt->hop_conns[hop]++;
+		if (c->active_local.port_host != t.remote.port_host)
+			cnt->nat_port_remaps++;
 	}
 }
 
@@ -647,27 +855,41 @@ int mw_sockops(struct bpf_sock_ops *skops)
 {
 	/* Read every ctx field up front (see sockops_tuple). */
 	__u32 op = skops->op;
+	__u32 old_state = skops->args[0];
 	__u32 new_state = skops->args[1];
 	__u32 snd_nxt = skops->snd_nxt;
 	__u32 rcv_nxt = skops->rcv_nxt;
+	__u32 cb_flags = skops->bpf_sock_ops_cb_flags;
 	struct bpf_sock *sk = skops->sk;
 
-	/* RWND_INIT runs on a request socket (not a full one: sk is NULL). Never set reply. */
+	/*
+	 * RWND_INIT runs for a listener's request socket (sk is NULL: not a full
+	 * socket), and also for a connecting socket (tcp_connect_init), which is
+	 * not a SYN being answered. Never set reply.
+	 */
 	if (op == BPF_SOCK_OPS_RWND_INIT) {
-		on_syn(skops);
+		if (!sk)
+			on_syn(skops);
 		return 1;
 	}
 	if (!sk)
 		return 1;
 	switch (op) {
+	case BPF_SOCK_OPS_TCP_CONNECT_CB:
+		on_connect(skops, cb_flags);
+		break;
 	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:
-		on_active_established(skops, sk, snd_nxt, rcv_nxt);
+		on_active_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
 		break;
 	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
-		on_passive_established(skops, sk, snd_nxt, rcv_nxt);
+		on_passive_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
 		break;
 	case BPF_SOCK_OPS_STATE_CB:
-		if (new_state == BPF_TCP_CLOSE)
+		if (new_state != BPF_TCP_CLOSE)
+			break;
+		if (old_state == BPF_TCP_SYN_SENT)
+			on_connect_failed(skops);
+		else
 			on_close(sk);
 		break;
 	}

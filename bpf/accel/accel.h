@@ -54,7 +54,7 @@ enum mw_reason {
 	MW_REASON_PEER_CLOSED = 2,    /* peer socket already closed: TCP answers like without meshwarp */
 	MW_REASON_SOCKHASH_FULL = 3,  /* mw_sock_hash or mw_conns at capacity */
 	MW_REASON_KEY_COLLISION = 4,  /* two live connections drew the same identity */
-	MW_REASON_ADDR_MISMATCH = 5,  /* peer's source endpoint differs (SNAT): cannot prove the pair */
+	MW_REASON_ADDR_MISMATCH = 5,  /* the peer saw another source address (SNAT, masquerade): cannot prove the pair */
 	MW_REASON_POLICY = 6,         /* excluded by port/CIDR policy */
 	MW_REASON_SPLICE_READER = 7,  /* a socket on this port was read with splice(2) */
 	MW_REASON_NO_LOCAL_PEER = 8,  /* no listener of the attached cgroup saw this connection's SYN */
@@ -64,7 +64,8 @@ enum mw_reason {
 	MW_REASON_BACKPRESSURE = 12,  /* receiver fell behind by redirect_budget_bytes: direction on TCP */
 	MW_REASON_TCP_REPAIR = 13,    /* socket in TCP_REPAIR mode: its sequence numbers prove nothing */
 	MW_REASON_RCVLOWAT = 14,      /* SO_RCVLOWAT set before the connection: redirect ignores it */
-	MW_REASON_MAX = 15,
+	MW_REASON_HINT_MISSED = 15,   /* both ends in the cgroup, but the SYN's note did not reach the connecting socket */
+	MW_REASON_MAX = 16,
 };
 
 /* Which mesh hop a paired connection is. */
@@ -80,6 +81,29 @@ enum mw_hop {
 struct mw_endpoint {
 	__u32 addr[4]; /* network order, ::ffff:a.b.c.d for IPv4 */
 	__u32 port_host;
+};
+
+/* A source address (IPv4 as v4-mapped IPv6), for state kept per address. */
+struct mw_addr {
+	__u32 addr[4];
+};
+
+/* mw_connecting value: a socket of the cgroup connects from this endpoint. */
+struct mw_connect {
+	__u64 connect_ns;  /* when it sent its SYN (TCP_CONNECT_CB) */
+	__u64 answered_ns; /* when a listener of the cgroup answered a SYN from this endpoint */
+};
+
+/*
+ * mw_src_addr value: connects in flight from one source address, and SYNs
+ * from that address that listeners of the cgroup answered under a source
+ * port no connecting socket uses (NAT remapped the port on the way).
+ */
+struct mw_src_addr {
+	__u64 connect_ns;  /* last connect from this address */
+	__u64 remapped_ns; /* last remapped SYN */
+	__u32 in_flight;   /* connects whose SYN no listener of the cgroup answered yet */
+	__u32 remapped;    /* remapped SYNs not yet claimed by their connecting socket */
 };
 
 /*
@@ -135,6 +159,7 @@ struct mw_counters {
 	__u64 hop_msgs[MW_HOP_MAX];
 	__u64 hop_bytes[MW_HOP_MAX];
 	__u64 splice_socket_reads; /* splice(2) from a socket by a process in the cgroup */
+	__u64 nat_port_remaps;     /* paired connections whose source port NAT rewrote on the way */
 	/*
 	 * Connecting sockets kept off mw_sock_hash from the start (policy,
 	 * splice_reader, no_local_peer) or taken out of it again, by the reason

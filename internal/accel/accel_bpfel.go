@@ -13,6 +13,11 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type accelMwAddr struct {
+	_    structs.HostLayout
+	Addr [4]uint32
+}
+
 type accelMwCidrKey struct {
 	_         structs.HostLayout
 	Prefixlen uint32
@@ -42,6 +47,12 @@ type accelMwConnId struct {
 	PassiveIsn1 uint32
 }
 
+type accelMwConnect struct {
+	_          structs.HostLayout
+	ConnectNs  uint64
+	AnsweredNs uint64
+}
+
 type accelMwCounters struct {
 	_                 structs.HostLayout
 	SocketsPaired     uint64
@@ -49,14 +60,15 @@ type accelMwCounters struct {
 	RedirectedMsgs    uint64
 	RedirectedBytes   uint64
 	SockhashFull      uint64
-	PassthroughMsgs   [15]uint64
-	PassthroughBytes  [15]uint64
-	PassthroughConns  [15]uint64
+	PassthroughMsgs   [16]uint64
+	PassthroughBytes  [16]uint64
+	PassthroughConns  [16]uint64
 	HopConns          [4]uint64
 	HopMsgs           [4]uint64
 	HopBytes          [4]uint64
 	SpliceSocketReads uint64
-	SocketsRemoved    [15]uint64
+	NatPortRemaps     uint64
+	SocketsRemoved    [16]uint64
 }
 
 type accelMwEndpoint struct {
@@ -99,7 +111,8 @@ const (
 	accelMwReasonMW_REASON_BACKPRESSURE     accelMwReason = 12
 	accelMwReasonMW_REASON_TCP_REPAIR       accelMwReason = 13
 	accelMwReasonMW_REASON_RCVLOWAT         accelMwReason = 14
-	accelMwReasonMW_REASON_MAX              accelMwReason = 15
+	accelMwReasonMW_REASON_HINT_MISSED      accelMwReason = 15
+	accelMwReasonMW_REASON_MAX              accelMwReason = 16
 )
 
 type accelMwSkState struct {
@@ -130,6 +143,14 @@ type accelMwSpliceProc struct {
 	Calls uint64
 }
 
+type accelMwSrcAddr struct {
+	_          structs.HostLayout
+	ConnectNs  uint64
+	RemappedNs uint64
+	InFlight   uint32
+	Remapped   uint32
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -137,6 +158,7 @@ const (
 	accelMapMwCgroup            = "mw_cgroup"
 	accelMapMwCidrExcl          = "mw_cidr_excl"
 	accelMapMwCidrIncl          = "mw_cidr_incl"
+	accelMapMwConnecting        = "mw_connecting"
 	accelMapMwConns             = "mw_conns"
 	accelMapMwPolicy            = "mw_policy"
 	accelMapMwPortPolicy        = "mw_port_policy"
@@ -145,8 +167,9 @@ const (
 	accelMapMwSpliceLport       = "mw_splice_lport"
 	accelMapMwSpliceProcs       = "mw_splice_procs"
 	accelMapMwSpliceRport       = "mw_splice_rport"
+	accelMapMwSrcAddr           = "mw_src_addr"
 	accelMapMwStats             = "mw_stats"
-	accelMapMwSynHint           = "mw_syn_hint"
+	accelMapMwUnhinted          = "mw_unhinted"
 	accelProgMwSkmsg            = "mw_skmsg"
 	accelProgMwSockops          = "mw_sockops"
 	accelProgMwSpliceWatch      = "mw_splice_watch"
@@ -211,6 +234,7 @@ type accelMapSpecs struct {
 	MwCgroup      *ebpf.MapSpec `ebpf:"mw_cgroup"`
 	MwCidrExcl    *ebpf.MapSpec `ebpf:"mw_cidr_excl"`
 	MwCidrIncl    *ebpf.MapSpec `ebpf:"mw_cidr_incl"`
+	MwConnecting  *ebpf.MapSpec `ebpf:"mw_connecting"`
 	MwConns       *ebpf.MapSpec `ebpf:"mw_conns"`
 	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
@@ -219,8 +243,9 @@ type accelMapSpecs struct {
 	MwSpliceLport *ebpf.MapSpec `ebpf:"mw_splice_lport"`
 	MwSpliceProcs *ebpf.MapSpec `ebpf:"mw_splice_procs"`
 	MwSpliceRport *ebpf.MapSpec `ebpf:"mw_splice_rport"`
+	MwSrcAddr     *ebpf.MapSpec `ebpf:"mw_src_addr"`
 	MwStats       *ebpf.MapSpec `ebpf:"mw_stats"`
-	MwSynHint     *ebpf.MapSpec `ebpf:"mw_syn_hint"`
+	MwUnhinted    *ebpf.MapSpec `ebpf:"mw_unhinted"`
 }
 
 // accelVariableSpecs contains global variables before they are loaded into the kernel.
@@ -257,6 +282,7 @@ type accelMaps struct {
 	MwCgroup      *ebpf.Map `ebpf:"mw_cgroup"`
 	MwCidrExcl    *ebpf.Map `ebpf:"mw_cidr_excl"`
 	MwCidrIncl    *ebpf.Map `ebpf:"mw_cidr_incl"`
+	MwConnecting  *ebpf.Map `ebpf:"mw_connecting"`
 	MwConns       *ebpf.Map `ebpf:"mw_conns"`
 	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
@@ -265,8 +291,9 @@ type accelMaps struct {
 	MwSpliceLport *ebpf.Map `ebpf:"mw_splice_lport"`
 	MwSpliceProcs *ebpf.Map `ebpf:"mw_splice_procs"`
 	MwSpliceRport *ebpf.Map `ebpf:"mw_splice_rport"`
+	MwSrcAddr     *ebpf.Map `ebpf:"mw_src_addr"`
 	MwStats       *ebpf.Map `ebpf:"mw_stats"`
-	MwSynHint     *ebpf.Map `ebpf:"mw_syn_hint"`
+	MwUnhinted    *ebpf.Map `ebpf:"mw_unhinted"`
 }
 
 func (m *accelMaps) Close() error {
@@ -274,6 +301,7 @@ func (m *accelMaps) Close() error {
 		m.MwCgroup,
 		m.MwCidrExcl,
 		m.MwCidrIncl,
+		m.MwConnecting,
 		m.MwConns,
 		m.MwPolicy,
 		m.MwPortPolicy,
@@ -282,8 +310,9 @@ func (m *accelMaps) Close() error {
 		m.MwSpliceLport,
 		m.MwSpliceProcs,
 		m.MwSpliceRport,
+		m.MwSrcAddr,
 		m.MwStats,
-		m.MwSynHint,
+		m.MwUnhinted,
 	)
 }
 

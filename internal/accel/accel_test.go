@@ -72,6 +72,14 @@ func TestSumCountersAcrossCPUs(t *testing.T) {
 	if s.Hops["app_to_sidecar"].RedirectedBytes != 7 {
 		t.Fatalf("hops: %v", s.Hops)
 	}
+	// A connection re-counted on another CPU (no_local_peer -> hint_missed)
+	// leaves one CPU's counter wrapped below zero; the sum is exact.
+	var x, y accelMwCounters
+	x.PassthroughConns[8] = 3                                     // no_local_peer
+	y.PassthroughConns[8], y.PassthroughConns[15] = ^uint64(0), 1 // -1, hint_missed
+	if r := sumCounters([]accelMwCounters{x, y}).PassthroughConnections; r["no_local_peer"] != 2 || r["hint_missed"] != 1 {
+		t.Fatalf("re-counted reasons: %v", r)
+	}
 	// A close seen before its pairing (per-CPU race) must not wrap around.
 	var c accelMwCounters
 	c.SocketsClosed = 1

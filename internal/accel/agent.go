@@ -517,12 +517,17 @@ func Cleanup(pinDir string) (CleanupResult, error) {
 // the loader's settings: what it needs from the kernel.
 func Spec() (*ebpf.CollectionSpec, error) { return loadAccel() }
 
+// retiredMapNames are maps that earlier builds pinned and this one no
+// longer has: an upgrade adopts the rest, uninstall and cleanup remove these too.
+var retiredMapNames = []string{"mw_syn_hint"}
+
+// mapNames lists every map name meshwarp pins or pinned.
 func mapNames() []string {
 	spec, err := loadAccel()
 	if err != nil {
 		return nil
 	}
-	names := make([]string, 0, len(spec.Maps))
+	names := append(make([]string, 0, len(spec.Maps)+len(retiredMapNames)), retiredMapNames...)
 	for name, m := range spec.Maps {
 		if m.Pinning == ebpf.PinByName {
 			names = append(names, name)

@@ -169,7 +169,8 @@ func TestPrivilegedFallbackSpliceReceiverExcluded(t *testing.T) {
 // Invariant 4: a connection whose two ends cannot be proven to be a pair
 // (source NAT rewrites the address the server sees) stays on TCP, intact.
 // The listener saw the SYN come from another address than the client's, so
-// no local peer claims the client: it never joins the SOCKHASH.
+// no local peer claims the client: it never joins the SOCKHASH, and the
+// accepted side counts the connection as addr_mismatch.
 func TestPrivilegedFallbackUnpairableSNAT(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	a := startAgent(t, Config{})
@@ -184,8 +185,9 @@ func TestPrivilegedFallbackUnpairableSNAT(t *testing.T) {
 	}
 	s := stats(t, a)
 	t.Logf("passthrough conns %v, redirected %d bytes", s.PassthroughConnections, s.RedirectedBytes)
-	if s.PassthroughConnections["no_local_peer"] != uint64(fallbackOpts.Conns) || s.RedirectedBytes != 0 {
-		t.Fatalf("SNAT-ed connections: want %d no_local_peer and no redirect, got %v and %d bytes",
+	if s.PassthroughConnections["addr_mismatch"] != uint64(fallbackOpts.Conns) || s.PassthroughConnections["no_local_peer"] != 0 ||
+		s.RemovedSockets["addr_mismatch"] != uint64(fallbackOpts.Conns) || s.RedirectedBytes != 0 {
+		t.Fatalf("SNAT-ed connections: want %d addr_mismatch and no redirect, got %v and %d bytes",
 			fallbackOpts.Conns, s.PassthroughConnections, s.RedirectedBytes)
 	}
 }

@@ -30,6 +30,9 @@ type Stats struct {
 	RemovedSockets map[string]uint64 `json:"removed_sockets_by_reason"`
 	PairedSockets  uint64            `json:"paired_sockets_total"`
 	SockhashFull   uint64            `json:"sockhash_full"`
+	// NATPortRemaps counts paired connections whose source port NAT
+	// rewrote between the two ends (conntrack under REDIRECT or DNAT).
+	NATPortRemaps uint64 `json:"nat_port_remapped_connections"`
 	// Hops splits the redirect counters by mesh hop.
 	Hops map[string]HopStats `json:"hops"`
 	// SpliceSocketReads counts splice(2) calls reading a socket by processes
@@ -174,6 +177,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 		t.RedirectedBytes += c.RedirectedBytes
 		t.SockhashFull += c.SockhashFull
 		t.SpliceSocketReads += c.SpliceSocketReads
+		t.NatPortRemaps += c.NatPortRemaps
 		for i := range t.PassthroughMsgs {
 			t.PassthroughMsgs[i] += c.PassthroughMsgs[i]
 			t.PassthroughBytes[i] += c.PassthroughBytes[i]
@@ -192,6 +196,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 		PairedSockets:          t.SocketsPaired,
 		SockhashFull:           t.SockhashFull,
 		SpliceSocketReads:      t.SpliceSocketReads,
+		NATPortRemaps:          t.NatPortRemaps,
 		PassthroughByReason:    map[string]uint64{},
 		PassthroughConnections: map[string]uint64{},
 		RemovedSockets:         map[string]uint64{},
@@ -233,6 +238,7 @@ func (s Stats) Sub(before Stats) Stats {
 	d.PairedSockets -= before.PairedSockets
 	d.SockhashFull -= before.SockhashFull
 	d.SpliceSocketReads -= before.SpliceSocketReads
+	d.NATPortRemaps -= before.NATPortRemaps
 	d.PassthroughByReason = subMap(s.PassthroughByReason, before.PassthroughByReason)
 	d.PassthroughConnections = subMap(s.PassthroughConnections, before.PassthroughConnections)
 	d.RemovedSockets = subMap(s.RemovedSockets, before.RemovedSockets)

@@ -92,6 +92,7 @@ func printStatus(w io.Writer, pinDir string, s accel.Stats) {
 		fmt.Fprintf(tw, "  %s\t%d messages, %d connections, %d sockets removed\n", r, s.PassthroughByReason[r], s.PassthroughConnections[r], s.RemovedSockets[r])
 	}
 	fmt.Fprintf(tw, "sockhash full\t%d\n", s.SockhashFull)
+	fmt.Fprintf(tw, "paired across a NAT port remap\t%d connections\n", s.NATPortRemaps)
 	tw.Flush()
 	fmt.Fprintln(w)
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)

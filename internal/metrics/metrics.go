@@ -49,6 +49,8 @@ var (
 		"Messages redirected, by mesh hop.", []string{"hop"}, nil)
 	descSplice = prometheus.NewDesc("meshwarp_accel_splice_socket_reads_total",
 		"splice(2) reads from sockets by processes of the accelerated cgroup (such readers cannot see redirected bytes).", nil, nil)
+	descNATRemaps = prometheus.NewDesc("meshwarp_accel_nat_port_remapped_connections_total",
+		"Connections paired although NAT (conntrack under REDIRECT or DNAT) rewrote their source port between the two ends.", nil, nil)
 	descScrapeErr = prometheus.NewDesc("meshwarp_accel_scrape_error",
 		"1 if the last read of the BPF maps failed.", nil, nil)
 )
@@ -58,7 +60,7 @@ type accelCollector struct{ read StatsFunc }
 
 func (c accelCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descSockets, descRedirBytes, descRedirMsgs, descPassMsgs,
-		descPassConns, descRemoved, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descScrapeErr} {
+		descPassConns, descRemoved, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descNATRemaps, descScrapeErr} {
 		ch <- d
 	}
 }
@@ -75,6 +77,7 @@ func (c accelCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descRedirMsgs, prometheus.CounterValue, float64(s.RedirectedMessages))
 	ch <- prometheus.MustNewConstMetric(descFull, prometheus.CounterValue, float64(s.SockhashFull))
 	ch <- prometheus.MustNewConstMetric(descSplice, prometheus.CounterValue, float64(s.SpliceSocketReads))
+	ch <- prometheus.MustNewConstMetric(descNATRemaps, prometheus.CounterValue, float64(s.NATPortRemaps))
 	for _, r := range accel.ReasonNames() {
 		ch <- prometheus.MustNewConstMetric(descPassMsgs, prometheus.CounterValue, float64(s.PassthroughByReason[r]), r)
 		ch <- prometheus.MustNewConstMetric(descPassConns, prometheus.CounterValue, float64(s.PassthroughConnections[r]), r)
