@@ -23,7 +23,7 @@ import (
 // remapCase forces source-port remaps: one client endpoint dials several
 // destinations that the namespace's iptables redirect to one listener.
 type remapCase struct {
-	name      string
+	name    string
 	setup   func(t *testing.T) (listenNS, dialNS *testutil.Netns, listenAddr, dstIP, localIP string)
 	wantHop string
 }
