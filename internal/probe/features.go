@@ -98,7 +98,7 @@ var mapTypes = []struct {
 	{"map PERCPU_ARRAY", ebpf.PerCPUArray, "counters", configBPF},
 	{"map ARRAY", ebpf.Array, "settings", configBPF},
 	{"map LPM_TRIE", ebpf.LPMTrie, "CIDR policy", configBPF},
-	{"map LRU_HASH", ebpf.LRUHash, "SYN hints, splice readers", configBPF},
+	{"map LRU_HASH", ebpf.LRUHash, "connect and SYN notes, splice readers", configBPF},
 	{"map SK_STORAGE", ebpf.SkStorage, "per-socket pairing state", configBPF},
 	{"map CGROUP_ARRAY", ebpf.CGroupArray, "the cgroup the splice watch covers", configBPF},
 }
