@@ -131,7 +131,16 @@ type Agent struct {
 // agent if there are any (replacing its programs atomically), attaches what
 // is missing and pins everything under cfg.PinDir. On error nothing that this
 // call attached or pinned is left behind.
-func Start(cfg Config, logger *slog.Logger) (_ *Agent, err error) {
+func Start(cfg Config, logger *slog.Logger) (*Agent, error) {
+	spec, err := loadAccel()
+	if err != nil {
+		return nil, fmt.Errorf("load accel spec: %w", err)
+	}
+	return start(cfg, logger, spec)
+}
+
+// start is Start with the object given (tests pass another build's layout).
+func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent, err error) {
 	cfg.setDefaults()
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
@@ -171,9 +180,9 @@ func Start(cfg Config, logger *slog.Logger) (_ *Agent, err error) {
 	preexisting := pinnedNames(cfg.PinDir)
 	undo = append(undo, func() { unpinNew(cfg.PinDir, preexisting) })
 
-	spec, err := loadAccel()
-	if err != nil {
-		return nil, fmt.Errorf("load accel spec: %w", err)
+	// Before anything is loaded, pinned or attached: refuse another build's maps.
+	if err := checkPinnedLayout(spec, cfg.PinDir); err != nil {
+		return nil, err
 	}
 	spec.Maps["mw_sock_hash"].MaxEntries = cfg.SockhashCapacity
 	spec.Maps["mw_conns"].MaxEntries = cfg.SockhashCapacity

@@ -58,13 +58,16 @@ type Sample struct {
 
 // AgentDelta is the change of the agent's counters over one run.
 type AgentDelta struct {
-	PairedSockets       uint64                 `json:"paired_sockets"`
-	RedirectedMessages  uint64                 `json:"redirected_messages"`
-	RedirectedBytes     uint64                 `json:"redirected_bytes"`
-	PassthroughMessages uint64                 `json:"passthrough_messages"`
-	PassthroughBytes    uint64                 `json:"passthrough_bytes"`
-	PassthroughByReason map[string]uint64      `json:"passthrough_messages_by_reason,omitempty"`
-	Hops                map[string]HopCounters `json:"by_hop,omitempty"`
+	PairedSockets       uint64            `json:"paired_sockets"`
+	RedirectedMessages  uint64            `json:"redirected_messages"`
+	RedirectedBytes     uint64            `json:"redirected_bytes"`
+	PassthroughMessages uint64            `json:"passthrough_messages"`
+	PassthroughBytes    uint64            `json:"passthrough_bytes"`
+	PassthroughByReason map[string]uint64 `json:"passthrough_messages_by_reason,omitempty"`
+	// PassthroughConnections counts connections left to TCP, by reason (non-zero only).
+	PassthroughConnections map[string]uint64      `json:"passthrough_connections_by_reason,omitempty"`
+	NATPortRemaps          uint64                 `json:"nat_port_remapped_connections"`
+	Hops                   map[string]HopCounters `json:"by_hop,omitempty"`
 }
 
 // HopCounters counts one hop kind (app_to_sidecar, sidecar_to_sidecar,
@@ -175,6 +178,9 @@ type HopsSummary struct {
 	PassthroughBytes    float64                `json:"passthrough_bytes"`
 	ByHop               map[string]HopCounters `json:"by_hop"`
 	PassthroughByReason map[string]uint64      `json:"passthrough_messages_by_reason,omitempty"`
+	// PassthroughConnections is the most connections any one repeat left
+	// to TCP, by reason: a single bad repeat shows.
+	PassthroughConnections map[string]uint64 `json:"passthrough_connections_by_reason,omitempty"`
 }
 
 // Histogram is a histogram on explicit edges (len(Counts) == len(EdgesUS)-1).
@@ -468,6 +474,14 @@ func summarizeHops(ss []Sample) *HopsSummary {
 		}
 	}
 	sort.Strings(h.Accelerated)
+	for _, d := range ds {
+		for n, v := range d.PassthroughConnections {
+			if h.PassthroughConnections == nil {
+				h.PassthroughConnections = map[string]uint64{}
+			}
+			h.PassthroughConnections[n] = max(h.PassthroughConnections[n], v)
+		}
+	}
 	for n := range reasons {
 		if h.PassthroughByReason == nil {
 			h.PassthroughByReason = map[string]uint64{}

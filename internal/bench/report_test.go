@@ -46,8 +46,9 @@ func fixtureReport(t *testing.T) *Report {
 				s := FortioSample(m, w, rep, res, 0.05*qps*10/1000)
 				if ModeAgent(m) {
 					s.Agent = deltaOf(accel.Stats{
-						PairedSockets: 200, RedirectedMessages: 1000, RedirectedBytes: 1e6,
-						Hops: map[string]HopCounters{"app_to_sidecar": {PairedConnections: 64, RedirectedMessages: 500, RedirectedBytes: 5e5}, "sidecar_to_sidecar": {PairedConnections: 64, RedirectedMessages: 500, RedirectedBytes: 5e5}, "direct": {}},
+						PairedSockets: 200, RedirectedMessages: 1000, RedirectedBytes: 1e6, NATPortRemaps: 3,
+						PassthroughConnections: map[string]uint64{"hint_missed": 1, "policy": 0},
+						Hops:                   map[string]HopCounters{"app_to_sidecar": {PairedConnections: 64, RedirectedMessages: 500, RedirectedBytes: 5e5}, "sidecar_to_sidecar": {PairedConnections: 64, RedirectedMessages: 500, RedirectedBytes: 5e5}, "direct": {}},
 					})
 				}
 				samples = append(samples, s)
@@ -203,6 +204,7 @@ func TestReportTable(t *testing.T) {
 		"TCP echo: fortio tcp://10.0.0.3:8078",
 		"sidecar+meshwarp", "direct+meshwarp", "af_unix floor", "16K", "x1.75", "x0.40",
 		"accelerated hops: app_to_sidecar, sidecar_to_sidecar",
+		"connections left to TCP (worst repeat): hint_missed 1",
 		"[7200..8800]",
 	} {
 		if !strings.Contains(out, want) {

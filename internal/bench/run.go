@@ -66,11 +66,20 @@ func deltaOf(d accel.Stats) *AgentDelta {
 		PassthroughMessages: d.PassthroughMessages,
 		PassthroughBytes:    d.PassthroughBytes,
 		PassthroughByReason: map[string]uint64{},
+		NATPortRemaps:       d.NATPortRemaps,
 		Hops:                d.Hops,
 	}
 	for k, v := range d.PassthroughByReason {
 		if v > 0 {
 			out.PassthroughByReason[k] = v
+		}
+	}
+	for k, v := range d.PassthroughConnections {
+		if v > 0 {
+			if out.PassthroughConnections == nil {
+				out.PassthroughConnections = map[string]uint64{}
+			}
+			out.PassthroughConnections[k] = v
 		}
 	}
 	return out

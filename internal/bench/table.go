@@ -5,6 +5,7 @@ package bench
 import (
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"slices"
 	"strings"
@@ -238,8 +239,16 @@ func (r *Report) hopLines(wl string, size int) []string {
 		if size > 0 {
 			at = " (" + sizeLabel(size) + ")"
 		}
-		out = append(out, fmt.Sprintf("%s%s: accelerated hops: %s; %.0f messages redirected, %.0f passed through TCP",
-			m, at, acc, h.RedirectedMessages, h.PassthroughMessages))
+		line := fmt.Sprintf("%s%s: accelerated hops: %s; %.0f messages redirected, %.0f passed through TCP",
+			m, at, acc, h.RedirectedMessages, h.PassthroughMessages)
+		if len(h.PassthroughConnections) > 0 {
+			var left []string
+			for _, reason := range slices.Sorted(maps.Keys(h.PassthroughConnections)) {
+				left = append(left, fmt.Sprintf("%s %d", reason, h.PassthroughConnections[reason]))
+			}
+			line += "; connections left to TCP (worst repeat): " + strings.Join(left, ", ")
+		}
+		out = append(out, line)
 	}
 	return out
 }
