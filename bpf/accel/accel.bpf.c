@@ -13,13 +13,17 @@
  *   mw_sk_store     SK_STORAGE             mw_sk_state per socket
  *   mw_stats        PERCPU_ARRAY           mw_counters
  *   mw_policy, mw_port_policy, mw_cidr_incl, mw_cidr_excl   policy
- *   mw_cgroup       CGROUP_ARRAY, mw_splice_procs LRU_HASH    splice(2) watch
+ *   mw_cgroup       CGROUP_ARRAY, mw_unfit_procs LRU_HASH     the syscall watches
  *
- * mw_splice_watch (tracepoint syscalls/sys_enter_splice, optional): counts
- * processes of the cgroup that read a socket with splice(2). splice reads
- * only the TCP receive queue, so such a reader cannot see redirected bytes;
- * `meshwarp status` names them, and later connections on the ports of the
- * spliced socket are left to TCP (mw_splice_lport, mw_splice_rport).
+ * The syscall watches (tracepoints syscalls/sys_enter_*, for processes of
+ * the cgroup) learn what a redirect cannot honour, because this kernel's
+ * sockmap receive path does not: splice(2) reads only the TCP queue;
+ * recv(MSG_WAITALL) and SO_RCVLOWAT set after pairing return what the
+ * redirect queue holds; MSG_OOB has no urgent mark on redirected bytes;
+ * close() with unread redirected bytes sends FIN where TCP sends RST. The
+ * connection that reveals it already runs; later connections on that
+ * socket's ports are left to TCP (mw_unfit_lport, mw_unfit_rport), and
+ * `meshwarp status` names the processes (mw_unfit_procs).
  *
  * How a connection is paired (once, never changed):
  *   0. a socket of the cgroup connects (TCP_CONNECT_CB): note its source
@@ -202,31 +206,32 @@ struct {
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 256);
-	__type(key, __u32); /* tgid */
-	__type(value, struct mw_splice_proc);
+	__type(key, struct mw_unfit_key);
+	__type(value, struct mw_unfit_proc);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_splice_procs SEC(".maps");
+} mw_unfit_procs SEC(".maps");
 
 /*
- * Ports of sockets seen read with splice(2): a later connection is not paired
- * when its accepting side listens on a port in mw_splice_lport or its
- * connecting side dials a port in mw_splice_rport (host order).
+ * Ports of sockets that did what a redirect cannot honour, with the reason:
+ * a later connection is not paired when its accepting side listens on a
+ * port in mw_unfit_lport or its connecting side dials a port in
+ * mw_unfit_rport (host order).
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 1024);
 	__type(key, __u32);
-	__type(value, __u32);
+	__type(value, __u32); /* enum mw_reason */
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_splice_lport SEC(".maps");
+} mw_unfit_lport SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 1024);
 	__type(key, __u32);
-	__type(value, __u32);
+	__type(value, __u32); /* enum mw_reason */
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_splice_rport SEC(".maps");
+} mw_unfit_rport SEC(".maps");
 
 static __always_inline struct mw_counters *counters(void)
 {
@@ -593,7 +598,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	struct mw_sk_state *st;
 	struct mw_conn *c;
 	struct mw_conn_id id = { .active_isn1 = snd_nxt, .passive_isn1 = rcv_nxt };
-	__u32 reason;
+	__u32 reason, *learned;
 	bool hinted;
 	long err;
 
@@ -609,8 +614,9 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		keep_off(MW_REASON_POLICY);
 		return;
 	}
-	if (bpf_map_lookup_elem(&mw_splice_rport, &t.remote.port_host)) {
-		keep_off(MW_REASON_SPLICE_READER);
+	learned = bpf_map_lookup_elem(&mw_unfit_rport, &t.remote.port_host);
+	if (learned) {
+		keep_off(*learned);
 		return;
 	}
 	if (!hinted) {
@@ -732,7 +738,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	struct mw_counters *cnt;
 	struct mw_conn *c;
 	struct mw_conn_id id = { .active_isn1 = rcv_nxt, .passive_isn1 = snd_nxt };
-	__u32 hop, reason;
+	__u32 hop, reason, *learned;
 	long err;
 
 	sockops_tuple(skops, &t);
@@ -754,8 +760,9 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		passive_gives_up(&id, c, reason);
 		return;
 	}
-	if (bpf_map_lookup_elem(&mw_splice_lport, &t.local.port_host)) {
-		passive_gives_up(&id, c, MW_REASON_SPLICE_READER);
+	learned = bpf_map_lookup_elem(&mw_unfit_lport, &t.local.port_host);
+	if (learned) {
+		passive_gives_up(&id, c, *learned);
 		return;
 	}
 	/*
@@ -1020,56 +1027,196 @@ int mw_skmsg(struct sk_msg_md *msg)
 
 #define MW_S_IFMT 00170000
 #define MW_S_IFSOCK 0140000
+#define MW_MSG_OOB 0x1
+#define MW_MSG_WAITALL 0x100
+#define MW_SOL_SOCKET 1
+#define MW_SO_RCVLOWAT 18
 
+/* The socket behind fd in the current process, or NULL. */
+static __always_inline struct sock *fd_socket(long fd)
+{
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	struct file **fds;
+	struct file *file = NULL;
+	struct socket *sock;
+	__u32 max_fds;
+	__u16 mode;
+
+	max_fds = BPF_CORE_READ(task, files, fdt, max_fds);
+	if (fd < 0 || fd >= max_fds)
+		return NULL;
+	fds = BPF_CORE_READ(task, files, fdt, fd);
+	if (bpf_probe_read_kernel(&file, sizeof(file), &fds[fd]) || !file)
+		return NULL;
+	mode = BPF_CORE_READ(file, f_inode, i_mode);
+	if ((mode & MW_S_IFMT) != MW_S_IFSOCK)
+		return NULL;
+	sock = BPF_CORE_READ(file, private_data);
+	return BPF_CORE_READ(sock, sk);
+}
+
+/* Whether sk is in a sockmap (has a psock): only then does a redirect apply. */
+static __always_inline bool in_sockmap(struct sock *sk)
+{
+	__u64 user_data = (__u64)BPF_CORE_READ(sk, sk_user_data);
+
+	return (user_data & ~(__u64)MW_SK_USER_DATA_FLAGS) != 0;
+}
+
+/*
+ * Learn that the process did `reason` on sk: later connections on sk's
+ * ports are left to TCP, and the process is named in mw_unfit_procs.
+ */
+static __always_inline void learn_unfit(struct sock *sk, __u32 reason)
+{
+	struct mw_unfit_key key = { .tgid = bpf_get_current_pid_tgid() >> 32, .reason = reason };
+	struct mw_unfit_proc *p, init = {};
+	struct mw_counters *cnt = counters();
+	__u32 lport = BPF_CORE_READ(sk, __sk_common.skc_num);               /* host order */
+	__u32 rport = bpf_ntohs(BPF_CORE_READ(sk, __sk_common.skc_dport)); /* network order */
+
+	if (reason >= MW_REASON_MAX)
+		return;
+	if (cnt)
+		cnt->unfit_calls[reason]++;
+	if (lport)
+		bpf_map_update_elem(&mw_unfit_lport, &lport, &reason, BPF_ANY);
+	if (rport)
+		bpf_map_update_elem(&mw_unfit_rport, &rport, &reason, BPF_ANY);
+	p = bpf_map_lookup_elem(&mw_unfit_procs, &key);
+	if (!p) {
+		bpf_get_current_comm(init.comm, sizeof(init.comm));
+		bpf_map_update_elem(&mw_unfit_procs, &key, &init, BPF_NOEXIST);
+		p = bpf_map_lookup_elem(&mw_unfit_procs, &key);
+		if (!p)
+			return;
+	}
+	__sync_fetch_and_add(&p->calls, 1);
+}
+
+/* A syscall with flags on socket fd: learn when a flag needs what a redirect lacks. */
+static __always_inline void watch_flags(long fd, long flags, bool receiving)
+{
+	struct sock *sk;
+	__u32 reason;
+
+	if (flags & MW_MSG_OOB)
+		reason = MW_REASON_OOB;
+	else if (receiving && (flags & MW_MSG_WAITALL))
+		reason = MW_REASON_WAITALL_READER;
+	else
+		return;
+	if (bpf_current_task_under_cgroup(&mw_cgroup, 0) != 1)
+		return;
+	sk = fd_socket(fd);
+	if (sk && in_sockmap(sk))
+		learn_unfit(sk, reason);
+}
+
+/*
+ * splice(2) reads only the TCP queue: learned for every socket read (the
+ * reader may splice a socket before it is paired), and counted.
+ */
 SEC("tracepoint/syscalls/sys_enter_splice")
 int mw_splice_watch(struct trace_event_raw_sys_enter *ctx)
 {
-	struct task_struct *task;
-	struct file **fds;
-	struct file *file = NULL;
-	struct mw_splice_proc *p, init = {};
 	struct mw_counters *cnt;
-	__u32 tgid, max_fds;
-	__u16 mode;
-	long fd_in = ctx->args[0];
+	struct sock *sk;
 
 	if (bpf_current_task_under_cgroup(&mw_cgroup, 0) != 1)
 		return 0;
-	task = (struct task_struct *)bpf_get_current_task();
-	max_fds = BPF_CORE_READ(task, files, fdt, max_fds);
-	if (fd_in < 0 || fd_in >= max_fds)
+	sk = fd_socket(ctx->args[0]);
+	if (!sk)
 		return 0;
-	fds = BPF_CORE_READ(task, files, fdt, fd);
-	if (bpf_probe_read_kernel(&file, sizeof(file), &fds[fd_in]) || !file)
-		return 0;
-	mode = BPF_CORE_READ(file, f_inode, i_mode);
-	if ((mode & MW_S_IFMT) != MW_S_IFSOCK)
-		return 0;
-
 	cnt = counters();
 	if (cnt)
 		cnt->splice_socket_reads++;
-	/* Keep later connections on this socket's ports off the redirect path. */
-	{
-		struct socket *sock = BPF_CORE_READ(file, private_data);
-		__u32 lport = BPF_CORE_READ(sock, sk, __sk_common.skc_num);               /* host order */
-		__u32 rport = bpf_ntohs(BPF_CORE_READ(sock, sk, __sk_common.skc_dport)); /* network order */
-		__u32 one = 1;
+	learn_unfit(sk, MW_REASON_SPLICE_READER);
+	return 0;
+}
 
-		if (lport)
-			bpf_map_update_elem(&mw_splice_lport, &lport, &one, BPF_ANY);
-		if (rport)
-			bpf_map_update_elem(&mw_splice_rport, &rport, &one, BPF_ANY);
-	}
-	tgid = bpf_get_current_pid_tgid() >> 32;
-	p = bpf_map_lookup_elem(&mw_splice_procs, &tgid);
-	if (!p) {
-		bpf_get_current_comm(init.comm, sizeof(init.comm));
-		bpf_map_update_elem(&mw_splice_procs, &tgid, &init, BPF_NOEXIST);
-		p = bpf_map_lookup_elem(&mw_splice_procs, &tgid);
-		if (!p)
-			return 0;
-	}
-	__sync_fetch_and_add(&p->calls, 1);
+/* recvfrom(fd, buf, len, flags, ...), recvmsg(fd, msg, flags), recvmmsg(fd, vec, vlen, flags, ...) */
+SEC("tracepoint/syscalls/sys_enter_recvfrom")
+int mw_recvfrom_watch(struct trace_event_raw_sys_enter *ctx)
+{
+	watch_flags(ctx->args[0], ctx->args[3], true);
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_enter_recvmsg")
+int mw_recvmsg_watch(struct trace_event_raw_sys_enter *ctx)
+{
+	watch_flags(ctx->args[0], ctx->args[2], true);
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_enter_recvmmsg")
+int mw_recvmmsg_watch(struct trace_event_raw_sys_enter *ctx)
+{
+	watch_flags(ctx->args[0], ctx->args[3], true);
+	return 0;
+}
+
+/* sendto(fd, buf, len, flags, ...), sendmsg(fd, msg, flags), sendmmsg(fd, vec, vlen, flags) */
+SEC("tracepoint/syscalls/sys_enter_sendto")
+int mw_sendto_watch(struct trace_event_raw_sys_enter *ctx)
+{
+	watch_flags(ctx->args[0], ctx->args[3], false);
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_enter_sendmsg")
+int mw_sendmsg_watch(struct trace_event_raw_sys_enter *ctx)
+{
+	watch_flags(ctx->args[0], ctx->args[2], false);
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_enter_sendmmsg")
+int mw_sendmmsg_watch(struct trace_event_raw_sys_enter *ctx)
+{
+	watch_flags(ctx->args[0], ctx->args[3], false);
+	return 0;
+}
+
+/* setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &val, len) with val > 1 on a paired socket. */
+SEC("tracepoint/syscalls/sys_enter_setsockopt")
+int mw_setsockopt_watch(struct trace_event_raw_sys_enter *ctx)
+{
+	struct sock *sk;
+	int val = 0;
+
+	if (ctx->args[1] != MW_SOL_SOCKET || ctx->args[2] != MW_SO_RCVLOWAT)
+		return 0;
+	if (bpf_current_task_under_cgroup(&mw_cgroup, 0) != 1)
+		return 0;
+	if (bpf_probe_read_user(&val, sizeof(val), (void *)ctx->args[3]) || val <= 1)
+		return 0;
+	sk = fd_socket(ctx->args[0]);
+	if (sk && in_sockmap(sk))
+		learn_unfit(sk, MW_REASON_RCVLOWAT);
+	return 0;
+}
+
+/*
+ * close(fd) of a paired socket whose redirect queue holds unread bytes: TCP
+ * would reset the connection; the sockmap close path sends FIN. Only the
+ * last reference closes the socket, but a dup'ed fd is rare enough not to
+ * matter (at worst a port is learned without need).
+ */
+SEC("tracepoint/syscalls/sys_enter_close")
+int mw_close_watch(struct trace_event_raw_sys_enter *ctx)
+{
+	struct sock *sk;
+	__u64 user_data;
+
+	if (bpf_current_task_under_cgroup(&mw_cgroup, 0) != 1)
+		return 0;
+	sk = fd_socket(ctx->args[0]);
+	if (!sk)
+		return 0;
+	user_data = (__u64)BPF_CORE_READ(sk, sk_user_data) & ~(__u64)MW_SK_USER_DATA_FLAGS;
+	if (user_data && BPF_CORE_READ((struct sk_psock *)user_data, msg_tot_len) > 0)
+		learn_unfit(sk, MW_REASON_UNREAD_CLOSE);
 	return 0;
 }

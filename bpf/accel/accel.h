@@ -56,16 +56,20 @@ enum mw_reason {
 	MW_REASON_KEY_COLLISION = 4,  /* two live connections drew the same identity */
 	MW_REASON_ADDR_MISMATCH = 5,  /* the peer saw another source address (SNAT, masquerade): cannot prove the pair */
 	MW_REASON_POLICY = 6,         /* excluded by port/CIDR policy */
-	MW_REASON_SPLICE_READER = 7,  /* a socket on this port was read with splice(2) */
+	MW_REASON_SPLICE_READER = 7,  /* learned: a socket on this port was read with splice(2) */
 	MW_REASON_NO_LOCAL_PEER = 8,  /* no listener of the attached cgroup saw this connection's SYN */
 	MW_REASON_UNPAIRED_TIMEOUT = 9, /* the peer did not join within unpaired_timeout_ns */
 	MW_REASON_SOCKMAP_BUSY = 10,  /* another program's sockmap already owns the socket's sk_msg */
 	MW_REASON_SEND_SHUTDOWN = 11, /* write after shutdown(SHUT_WR): TCP answers EPIPE (messages only) */
 	MW_REASON_BACKPRESSURE = 12,  /* receiver fell behind by redirect_budget_bytes: direction on TCP */
 	MW_REASON_TCP_REPAIR = 13,    /* socket in TCP_REPAIR mode: its sequence numbers prove nothing */
-	MW_REASON_RCVLOWAT = 14,      /* SO_RCVLOWAT set before the connection: redirect ignores it */
+	MW_REASON_RCVLOWAT = 14,      /* SO_RCVLOWAT set (before the connection, or learned after): redirect ignores it */
 	MW_REASON_HINT_MISSED = 15,   /* both ends in the cgroup, but the SYN's note did not reach the connecting socket */
-	MW_REASON_MAX = 16,
+	/* Learned: a process did this on a paired socket; later connections on its ports stay on TCP. */
+	MW_REASON_WAITALL_READER = 16, /* recv(MSG_WAITALL): the redirect queue returns what it holds */
+	MW_REASON_OOB = 17,            /* MSG_OOB sent or read: redirected bytes carry no urgent mark */
+	MW_REASON_UNREAD_CLOSE = 18,   /* close() with unread redirected bytes: TCP would send RST, not FIN */
+	MW_REASON_MAX = 19,
 };
 
 /* Which mesh hop a paired connection is. */
@@ -160,6 +164,7 @@ struct mw_counters {
 	__u64 hop_bytes[MW_HOP_MAX];
 	__u64 splice_socket_reads; /* splice(2) from a socket by a process in the cgroup */
 	__u64 nat_port_remaps;     /* paired connections whose source port NAT rewrote on the way */
+	__u64 unfit_calls[MW_REASON_MAX]; /* calls that taught a learned reason (see mw_unfit_procs) */
 	/*
 	 * Connecting sockets kept off mw_sock_hash from the start (policy,
 	 * splice_reader, no_local_peer) or taken out of it again, by the reason
@@ -168,8 +173,16 @@ struct mw_counters {
 	__u64 sockets_removed[MW_REASON_MAX];
 };
 
-/* mw_splice_procs value: a process that read a socket with splice(2). */
-struct mw_splice_proc {
+/*
+ * mw_unfit_procs key and value: a process of the cgroup that did, on a
+ * paired socket, what a redirect cannot honour (a learned reason).
+ */
+struct mw_unfit_key {
+	__u32 tgid;
+	__u32 reason; /* enum mw_reason */
+};
+
+struct mw_unfit_proc {
 	char comm[16];
 	__u64 calls;
 };

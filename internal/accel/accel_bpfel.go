@@ -60,15 +60,16 @@ type accelMwCounters struct {
 	RedirectedMsgs    uint64
 	RedirectedBytes   uint64
 	SockhashFull      uint64
-	PassthroughMsgs   [16]uint64
-	PassthroughBytes  [16]uint64
-	PassthroughConns  [16]uint64
+	PassthroughMsgs   [19]uint64
+	PassthroughBytes  [19]uint64
+	PassthroughConns  [19]uint64
 	HopConns          [4]uint64
 	HopMsgs           [4]uint64
 	HopBytes          [4]uint64
 	SpliceSocketReads uint64
 	NatPortRemaps     uint64
-	SocketsRemoved    [16]uint64
+	UnfitCalls        [19]uint64
+	SocketsRemoved    [19]uint64
 }
 
 type accelMwEndpoint struct {
@@ -112,7 +113,10 @@ const (
 	accelMwReasonMW_REASON_TCP_REPAIR       accelMwReason = 13
 	accelMwReasonMW_REASON_RCVLOWAT         accelMwReason = 14
 	accelMwReasonMW_REASON_HINT_MISSED      accelMwReason = 15
-	accelMwReasonMW_REASON_MAX              accelMwReason = 16
+	accelMwReasonMW_REASON_WAITALL_READER   accelMwReason = 16
+	accelMwReasonMW_REASON_OOB              accelMwReason = 17
+	accelMwReasonMW_REASON_UNREAD_CLOSE     accelMwReason = 18
+	accelMwReasonMW_REASON_MAX              accelMwReason = 19
 )
 
 type accelMwSkState struct {
@@ -137,18 +141,24 @@ type accelMwSockKey struct {
 	Pad          uint32
 }
 
-type accelMwSpliceProc struct {
-	_     structs.HostLayout
-	Comm  [16]int8
-	Calls uint64
-}
-
 type accelMwSrcAddr struct {
 	_          structs.HostLayout
 	ConnectNs  uint64
 	RemappedNs uint64
 	InFlight   uint32
 	Remapped   uint32
+}
+
+type accelMwUnfitKey struct {
+	_      structs.HostLayout
+	Tgid   uint32
+	Reason uint32
+}
+
+type accelMwUnfitProc struct {
+	_     structs.HostLayout
+	Comm  [16]int8
+	Calls uint64
 }
 
 // Names of all BPF objects in the ELF.
@@ -164,12 +174,20 @@ const (
 	accelMapMwPortPolicy        = "mw_port_policy"
 	accelMapMwSkStore           = "mw_sk_store"
 	accelMapMwSockHash          = "mw_sock_hash"
-	accelMapMwSpliceLport       = "mw_splice_lport"
-	accelMapMwSpliceProcs       = "mw_splice_procs"
-	accelMapMwSpliceRport       = "mw_splice_rport"
 	accelMapMwSrcAddr           = "mw_src_addr"
 	accelMapMwStats             = "mw_stats"
+	accelMapMwUnfitLport        = "mw_unfit_lport"
+	accelMapMwUnfitProcs        = "mw_unfit_procs"
+	accelMapMwUnfitRport        = "mw_unfit_rport"
 	accelMapMwUnhinted          = "mw_unhinted"
+	accelProgMwCloseWatch       = "mw_close_watch"
+	accelProgMwRecvfromWatch    = "mw_recvfrom_watch"
+	accelProgMwRecvmmsgWatch    = "mw_recvmmsg_watch"
+	accelProgMwRecvmsgWatch     = "mw_recvmsg_watch"
+	accelProgMwSendmmsgWatch    = "mw_sendmmsg_watch"
+	accelProgMwSendmsgWatch     = "mw_sendmsg_watch"
+	accelProgMwSendtoWatch      = "mw_sendto_watch"
+	accelProgMwSetsockoptWatch  = "mw_setsockopt_watch"
 	accelProgMwSkmsg            = "mw_skmsg"
 	accelProgMwSockops          = "mw_sockops"
 	accelProgMwSpliceWatch      = "mw_splice_watch"
@@ -222,30 +240,38 @@ type accelSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelProgramSpecs struct {
-	MwSkmsg       *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
-	MwSockops     *ebpf.ProgramSpec `ebpf:"mw_sockops"`
-	MwSpliceWatch *ebpf.ProgramSpec `ebpf:"mw_splice_watch"`
+	MwCloseWatch      *ebpf.ProgramSpec `ebpf:"mw_close_watch"`
+	MwRecvfromWatch   *ebpf.ProgramSpec `ebpf:"mw_recvfrom_watch"`
+	MwRecvmmsgWatch   *ebpf.ProgramSpec `ebpf:"mw_recvmmsg_watch"`
+	MwRecvmsgWatch    *ebpf.ProgramSpec `ebpf:"mw_recvmsg_watch"`
+	MwSendmmsgWatch   *ebpf.ProgramSpec `ebpf:"mw_sendmmsg_watch"`
+	MwSendmsgWatch    *ebpf.ProgramSpec `ebpf:"mw_sendmsg_watch"`
+	MwSendtoWatch     *ebpf.ProgramSpec `ebpf:"mw_sendto_watch"`
+	MwSetsockoptWatch *ebpf.ProgramSpec `ebpf:"mw_setsockopt_watch"`
+	MwSkmsg           *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
+	MwSockops         *ebpf.ProgramSpec `ebpf:"mw_sockops"`
+	MwSpliceWatch     *ebpf.ProgramSpec `ebpf:"mw_splice_watch"`
 }
 
 // accelMapSpecs contains maps before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelMapSpecs struct {
-	MwCgroup      *ebpf.MapSpec `ebpf:"mw_cgroup"`
-	MwCidrExcl    *ebpf.MapSpec `ebpf:"mw_cidr_excl"`
-	MwCidrIncl    *ebpf.MapSpec `ebpf:"mw_cidr_incl"`
-	MwConnecting  *ebpf.MapSpec `ebpf:"mw_connecting"`
-	MwConns       *ebpf.MapSpec `ebpf:"mw_conns"`
-	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
-	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
-	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
-	MwSockHash    *ebpf.MapSpec `ebpf:"mw_sock_hash"`
-	MwSpliceLport *ebpf.MapSpec `ebpf:"mw_splice_lport"`
-	MwSpliceProcs *ebpf.MapSpec `ebpf:"mw_splice_procs"`
-	MwSpliceRport *ebpf.MapSpec `ebpf:"mw_splice_rport"`
-	MwSrcAddr     *ebpf.MapSpec `ebpf:"mw_src_addr"`
-	MwStats       *ebpf.MapSpec `ebpf:"mw_stats"`
-	MwUnhinted    *ebpf.MapSpec `ebpf:"mw_unhinted"`
+	MwCgroup     *ebpf.MapSpec `ebpf:"mw_cgroup"`
+	MwCidrExcl   *ebpf.MapSpec `ebpf:"mw_cidr_excl"`
+	MwCidrIncl   *ebpf.MapSpec `ebpf:"mw_cidr_incl"`
+	MwConnecting *ebpf.MapSpec `ebpf:"mw_connecting"`
+	MwConns      *ebpf.MapSpec `ebpf:"mw_conns"`
+	MwPolicy     *ebpf.MapSpec `ebpf:"mw_policy"`
+	MwPortPolicy *ebpf.MapSpec `ebpf:"mw_port_policy"`
+	MwSkStore    *ebpf.MapSpec `ebpf:"mw_sk_store"`
+	MwSockHash   *ebpf.MapSpec `ebpf:"mw_sock_hash"`
+	MwSrcAddr    *ebpf.MapSpec `ebpf:"mw_src_addr"`
+	MwStats      *ebpf.MapSpec `ebpf:"mw_stats"`
+	MwUnfitLport *ebpf.MapSpec `ebpf:"mw_unfit_lport"`
+	MwUnfitProcs *ebpf.MapSpec `ebpf:"mw_unfit_procs"`
+	MwUnfitRport *ebpf.MapSpec `ebpf:"mw_unfit_rport"`
+	MwUnhinted   *ebpf.MapSpec `ebpf:"mw_unhinted"`
 }
 
 // accelVariableSpecs contains global variables before they are loaded into the kernel.
@@ -279,21 +305,21 @@ func (o *accelObjects) Close() error {
 //
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelMaps struct {
-	MwCgroup      *ebpf.Map `ebpf:"mw_cgroup"`
-	MwCidrExcl    *ebpf.Map `ebpf:"mw_cidr_excl"`
-	MwCidrIncl    *ebpf.Map `ebpf:"mw_cidr_incl"`
-	MwConnecting  *ebpf.Map `ebpf:"mw_connecting"`
-	MwConns       *ebpf.Map `ebpf:"mw_conns"`
-	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
-	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
-	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
-	MwSockHash    *ebpf.Map `ebpf:"mw_sock_hash"`
-	MwSpliceLport *ebpf.Map `ebpf:"mw_splice_lport"`
-	MwSpliceProcs *ebpf.Map `ebpf:"mw_splice_procs"`
-	MwSpliceRport *ebpf.Map `ebpf:"mw_splice_rport"`
-	MwSrcAddr     *ebpf.Map `ebpf:"mw_src_addr"`
-	MwStats       *ebpf.Map `ebpf:"mw_stats"`
-	MwUnhinted    *ebpf.Map `ebpf:"mw_unhinted"`
+	MwCgroup     *ebpf.Map `ebpf:"mw_cgroup"`
+	MwCidrExcl   *ebpf.Map `ebpf:"mw_cidr_excl"`
+	MwCidrIncl   *ebpf.Map `ebpf:"mw_cidr_incl"`
+	MwConnecting *ebpf.Map `ebpf:"mw_connecting"`
+	MwConns      *ebpf.Map `ebpf:"mw_conns"`
+	MwPolicy     *ebpf.Map `ebpf:"mw_policy"`
+	MwPortPolicy *ebpf.Map `ebpf:"mw_port_policy"`
+	MwSkStore    *ebpf.Map `ebpf:"mw_sk_store"`
+	MwSockHash   *ebpf.Map `ebpf:"mw_sock_hash"`
+	MwSrcAddr    *ebpf.Map `ebpf:"mw_src_addr"`
+	MwStats      *ebpf.Map `ebpf:"mw_stats"`
+	MwUnfitLport *ebpf.Map `ebpf:"mw_unfit_lport"`
+	MwUnfitProcs *ebpf.Map `ebpf:"mw_unfit_procs"`
+	MwUnfitRport *ebpf.Map `ebpf:"mw_unfit_rport"`
+	MwUnhinted   *ebpf.Map `ebpf:"mw_unhinted"`
 }
 
 func (m *accelMaps) Close() error {
@@ -307,11 +333,11 @@ func (m *accelMaps) Close() error {
 		m.MwPortPolicy,
 		m.MwSkStore,
 		m.MwSockHash,
-		m.MwSpliceLport,
-		m.MwSpliceProcs,
-		m.MwSpliceRport,
 		m.MwSrcAddr,
 		m.MwStats,
+		m.MwUnfitLport,
+		m.MwUnfitProcs,
+		m.MwUnfitRport,
 		m.MwUnhinted,
 	)
 }
@@ -331,13 +357,29 @@ type accelVariables struct {
 //
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelPrograms struct {
-	MwSkmsg       *ebpf.Program `ebpf:"mw_skmsg"`
-	MwSockops     *ebpf.Program `ebpf:"mw_sockops"`
-	MwSpliceWatch *ebpf.Program `ebpf:"mw_splice_watch"`
+	MwCloseWatch      *ebpf.Program `ebpf:"mw_close_watch"`
+	MwRecvfromWatch   *ebpf.Program `ebpf:"mw_recvfrom_watch"`
+	MwRecvmmsgWatch   *ebpf.Program `ebpf:"mw_recvmmsg_watch"`
+	MwRecvmsgWatch    *ebpf.Program `ebpf:"mw_recvmsg_watch"`
+	MwSendmmsgWatch   *ebpf.Program `ebpf:"mw_sendmmsg_watch"`
+	MwSendmsgWatch    *ebpf.Program `ebpf:"mw_sendmsg_watch"`
+	MwSendtoWatch     *ebpf.Program `ebpf:"mw_sendto_watch"`
+	MwSetsockoptWatch *ebpf.Program `ebpf:"mw_setsockopt_watch"`
+	MwSkmsg           *ebpf.Program `ebpf:"mw_skmsg"`
+	MwSockops         *ebpf.Program `ebpf:"mw_sockops"`
+	MwSpliceWatch     *ebpf.Program `ebpf:"mw_splice_watch"`
 }
 
 func (p *accelPrograms) Close() error {
 	return _AccelClose(
+		p.MwCloseWatch,
+		p.MwRecvfromWatch,
+		p.MwRecvmmsgWatch,
+		p.MwRecvmsgWatch,
+		p.MwSendmmsgWatch,
+		p.MwSendmsgWatch,
+		p.MwSendtoWatch,
+		p.MwSetsockoptWatch,
 		p.MwSkmsg,
 		p.MwSockops,
 		p.MwSpliceWatch,

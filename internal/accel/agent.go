@@ -119,9 +119,10 @@ type Agent struct {
 	objs    accelObjects
 	sockops link.Link
 	skmsg   link.Link
-	// splice watches splice(2) readers while this process runs (not pinned:
-	// it is observability, not data path).
-	splice link.Link
+	// watches learn unfit sockets (watch.go) while this process runs: not
+	// pinned, so between agents nothing is learned, while the data path
+	// keeps running.
+	watches []link.Link
 	closed bool
 	// Adopted is true when Start found pinned state from an earlier agent and took it over.
 	Adopted bool
@@ -236,10 +237,11 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	sockops := a.sockops
 	undo = append(undo, func() { sockops.Close() })
 
-	a.splice, err = watchSplice(a.objs.MwSpliceWatch, a.objs.MwCgroup, cfg.CgroupPath)
+	a.watches, err = watchSyscalls(&a.objs, cfg.CgroupPath)
 	if err != nil {
-		// Observability only: acceleration works without it.
-		logger.Warn("splice(2) watch off", "err", err)
+		// Acceleration works without them; what they learn is then not learned.
+		logger.Warn("syscall watches off: splice(2), MSG_WAITALL, MSG_OOB, SO_RCVLOWAT and close with unread bytes "+
+			"on accelerated sockets are not learned (exclude such ports with --exclude-ports)", "err", err)
 		err = nil
 	}
 
@@ -404,7 +406,7 @@ func (a *Agent) Stats() (Stats, error) {
 	if err != nil {
 		return s, err
 	}
-	s.SpliceReaders, err = readSpliceReaders(a.objs.MwSpliceProcs)
+	s.UnfitProcesses, err = readUnfitProcesses(a.objs.MwUnfitProcs)
 	return s, err
 }
 
@@ -417,8 +419,8 @@ func (a *Agent) Close() error {
 	}
 	a.closed = true
 	var errs []error
-	if a.splice != nil {
-		errs = append(errs, a.splice.Close())
+	for _, l := range a.watches {
+		errs = append(errs, l.Close())
 	}
 	if a.sockops != nil {
 		errs = append(errs, a.sockops.Close())
@@ -528,7 +530,7 @@ func Spec() (*ebpf.CollectionSpec, error) { return loadAccel() }
 
 // retiredMapNames are maps that earlier builds pinned and this one no
 // longer has: an upgrade adopts the rest, uninstall and cleanup remove these too.
-var retiredMapNames = []string{"mw_syn_hint"}
+var retiredMapNames = []string{"mw_syn_hint", "mw_splice_procs", "mw_splice_lport", "mw_splice_rport"}
 
 // mapNames lists every map name meshwarp pins or pinned.
 func mapNames() []string {

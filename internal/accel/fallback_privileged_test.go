@@ -161,8 +161,10 @@ func TestPrivilegedFallbackSpliceReceiverExcluded(t *testing.T) {
 	// The agent saw the splice reader and names it.
 	s := stats(t, a)
 	self := uint32(os.Getpid())
-	if s.SpliceSocketReads == 0 || !slices.ContainsFunc(s.SpliceReaders, func(r SpliceReader) bool { return r.PID == self && r.Calls > 0 }) {
-		t.Fatalf("splice reader not reported: %d reads, readers %+v (want pid %d)", s.SpliceSocketReads, s.SpliceReaders, self)
+	if s.SpliceSocketReads == 0 || !slices.ContainsFunc(s.UnfitProcesses, func(r UnfitProcess) bool {
+		return r.PID == self && r.Reason == "splice_reader" && r.Calls > 0
+	}) {
+		t.Fatalf("splice reader not reported: %d reads, processes %+v (want pid %d)", s.SpliceSocketReads, s.UnfitProcesses, self)
 	}
 }
 

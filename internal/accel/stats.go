@@ -36,10 +36,13 @@ type Stats struct {
 	// Hops splits the redirect counters by mesh hop.
 	Hops map[string]HopStats `json:"hops"`
 	// SpliceSocketReads counts splice(2) calls reading a socket by processes
-	// of the accelerated cgroup; SpliceReaders names them. Such a reader
-	// cannot see redirected bytes: exclude its ports.
-	SpliceSocketReads uint64         `json:"splice_socket_reads"`
-	SpliceReaders     []SpliceReader `json:"splice_readers,omitempty"`
+	// of the accelerated cgroup. Such a reader cannot see redirected bytes.
+	SpliceSocketReads uint64 `json:"splice_socket_reads"`
+	// UnfitCalls counts the calls that taught a learned reason (splice_reader,
+	// waitall_reader, oob, rcvlowat, unread_close); UnfitProcesses names
+	// the processes. Later connections on those sockets' ports stay on TCP.
+	UnfitCalls     map[string]uint64 `json:"unfit_calls_by_reason"`
+	UnfitProcesses []UnfitProcess    `json:"unfit_processes,omitempty"`
 	// OtherSockmapPrograms lists sock_ops and sk_msg programs on this node
 	// that are not meshwarp's (filled by ReadPinnedStats).
 	OtherSockmapPrograms []ProgramRef `json:"other_sockmap_programs,omitempty"`
@@ -151,7 +154,7 @@ func ReadPinnedStats(pinDir string) (Stats, error) {
 	if err != nil {
 		return s, err
 	}
-	s.SpliceReaders, err = pinnedSpliceReaders(pinDir)
+	s.UnfitProcesses, err = pinnedUnfitProcesses(pinDir)
 	if err != nil {
 		return s, err
 	}
@@ -183,6 +186,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 			t.PassthroughBytes[i] += c.PassthroughBytes[i]
 			t.PassthroughConns[i] += c.PassthroughConns[i]
 			t.SocketsRemoved[i] += c.SocketsRemoved[i]
+			t.UnfitCalls[i] += c.UnfitCalls[i]
 		}
 		for i := range t.HopConns {
 			t.HopConns[i] += c.HopConns[i]
@@ -200,6 +204,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 		PassthroughByReason:    map[string]uint64{},
 		PassthroughConnections: map[string]uint64{},
 		RemovedSockets:         map[string]uint64{},
+		UnfitCalls:             map[string]uint64{},
 		Hops:                   map[string]HopStats{},
 	}
 	// Per-CPU counters are summed without a lock, so a close counted on one
@@ -214,6 +219,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 		s.PassthroughByReason[name] = t.PassthroughMsgs[i]
 		s.PassthroughConnections[name] = t.PassthroughConns[i]
 		s.RemovedSockets[name] = t.SocketsRemoved[i]
+		s.UnfitCalls[name] = t.UnfitCalls[i]
 		s.PassthroughMessages += t.PassthroughMsgs[i]
 		s.PassthroughBytes += t.PassthroughBytes[i]
 	}
@@ -242,6 +248,7 @@ func (s Stats) Sub(before Stats) Stats {
 	d.PassthroughByReason = subMap(s.PassthroughByReason, before.PassthroughByReason)
 	d.PassthroughConnections = subMap(s.PassthroughConnections, before.PassthroughConnections)
 	d.RemovedSockets = subMap(s.RemovedSockets, before.RemovedSockets)
+	d.UnfitCalls = subMap(s.UnfitCalls, before.UnfitCalls)
 	d.Hops = map[string]HopStats{}
 	for k, v := range s.Hops {
 		b := before.Hops[k]

@@ -43,10 +43,17 @@ attached). Counters are cumulative across agent restarts.
                     continues on TCP, whose flow control blocks the writer
     send_shutdown   a write after shutdown(SHUT_WR): TCP answers EPIPE (messages only)
     tcp_repair      a socket in TCP_REPAIR mode (its sequence numbers prove nothing)
-    rcvlowat        SO_RCVLOWAT was set before the connection (the redirect ignores it)
+    rcvlowat        SO_RCVLOWAT was set (before the connection, or learned: after pairing,
+                    on a socket of the same port); the redirect ignores it
     policy          excluded by port/CIDR policy (connections only)
-    splice_reader   a socket on the same port was read with splice(2), which cannot see
-                    redirected bytes: later connections on that port stay on TCP
+    hint_missed     both ends are in the cgroup, but the note of the answered SYN did not
+                    reach the connecting socket
+   learned: a process did this on an accelerated socket of the same port, which the
+   redirect cannot honour; later connections on that port stay on TCP:
+    splice_reader   read it with splice(2) (sees only the TCP queue)
+    waitall_reader  recv(MSG_WAITALL) (the redirect queue returns what it holds)
+    oob             sent or read MSG_OOB (redirected bytes carry no urgent mark)
+    unread_close    closed it with unread bytes (TCP would send RST; the redirect path FIN)
   removed_sockets_by_reason  sockets kept off the SOCKHASH (the connecting socket of a
                           no_local_peer, policy or splice_reader connection) or taken out
                           of it once their connection was left to TCP: from then on they
@@ -54,8 +61,9 @@ attached). Counters are cumulative across agent restarts.
   other_sockmap_programs  sock_ops/sk_msg programs of other tools on this node; a socket
                           whose sk_msg belongs to them stays on TCP (sockmap_busy)
   hops                    per mesh hop: app_to_sidecar, sidecar_to_sidecar, sidecar_to_app, direct
-  splice_*                processes of the cgroup that read sockets with splice(2), which
-                          cannot see redirected bytes (watched while 'meshwarp run' runs)`,
+  splice_socket_reads     splice(2) reads of sockets by processes of the cgroup
+  unfit_processes         the processes that taught a learned reason, with their calls
+                          (watched while 'meshwarp run' runs)`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			s, err := accel.ReadPinnedStats(pinDir)
@@ -111,9 +119,14 @@ func printStatus(w io.Writer, pinDir string, s accel.Stats) {
 	}
 	if s.SpliceSocketReads > 0 {
 		fmt.Fprintf(w, "\nwarning: %d splice(2) reads from sockets in the accelerated cgroup. A socket read with\n"+
-			"splice cannot see redirected bytes: exclude the ports of these processes (--exclude-ports):\n", s.SpliceSocketReads)
-		for _, r := range s.SpliceReaders {
-			fmt.Fprintf(w, "  pid %d (%s): %d calls\n", r.PID, r.Comm, r.Calls)
+			"splice cannot see redirected bytes.\n", s.SpliceSocketReads)
+	}
+	if len(s.UnfitProcesses) > 0 {
+		fmt.Fprintf(w, "\nlearned: these processes did on accelerated sockets what a redirect cannot honour; later\n"+
+			"connections on those sockets' ports stay on TCP. Exclude their ports up front (--exclude-ports)\n"+
+			"so that no first connection is affected:\n")
+		for _, r := range s.UnfitProcesses {
+			fmt.Fprintf(w, "  pid %d (%s): %s, %d calls\n", r.PID, r.Comm, r.Reason, r.Calls)
 		}
 	}
 }

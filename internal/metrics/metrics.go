@@ -51,6 +51,8 @@ var (
 		"splice(2) reads from sockets by processes of the accelerated cgroup (such readers cannot see redirected bytes).", nil, nil)
 	descNATRemaps = prometheus.NewDesc("meshwarp_accel_nat_port_remapped_connections_total",
 		"Connections paired although NAT (conntrack under REDIRECT or DNAT) rewrote their source port between the two ends.", nil, nil)
+	descUnfit = prometheus.NewDesc("meshwarp_accel_unfit_calls_total",
+		"Calls on accelerated sockets that a redirect cannot honour (splice, MSG_WAITALL, MSG_OOB, SO_RCVLOWAT, close with unread bytes), by the reason they teach: later connections on those ports stay on TCP.", []string{"reason"}, nil)
 	descScrapeErr = prometheus.NewDesc("meshwarp_accel_scrape_error",
 		"1 if the last read of the BPF maps failed.", nil, nil)
 )
@@ -60,7 +62,7 @@ type accelCollector struct{ read StatsFunc }
 
 func (c accelCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descSockets, descRedirBytes, descRedirMsgs, descPassMsgs,
-		descPassConns, descRemoved, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descNATRemaps, descScrapeErr} {
+		descPassConns, descRemoved, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descNATRemaps, descUnfit, descScrapeErr} {
 		ch <- d
 	}
 }
@@ -82,6 +84,7 @@ func (c accelCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descPassMsgs, prometheus.CounterValue, float64(s.PassthroughByReason[r]), r)
 		ch <- prometheus.MustNewConstMetric(descPassConns, prometheus.CounterValue, float64(s.PassthroughConnections[r]), r)
 		ch <- prometheus.MustNewConstMetric(descRemoved, prometheus.CounterValue, float64(s.RemovedSockets[r]), r)
+		ch <- prometheus.MustNewConstMetric(descUnfit, prometheus.CounterValue, float64(s.UnfitCalls[r]), r)
 	}
 	for _, h := range accel.HopNames() {
 		hs := s.Hops[h]

@@ -98,9 +98,9 @@ var mapTypes = []struct {
 	{"map PERCPU_ARRAY", ebpf.PerCPUArray, "counters", configBPF},
 	{"map ARRAY", ebpf.Array, "settings", configBPF},
 	{"map LPM_TRIE", ebpf.LPMTrie, "CIDR policy", configBPF},
-	{"map LRU_HASH", ebpf.LRUHash, "connect and SYN notes, splice readers", configBPF},
+	{"map LRU_HASH", ebpf.LRUHash, "connect and SYN notes, learned ports and processes", configBPF},
 	{"map SK_STORAGE", ebpf.SkStorage, "per-socket pairing state", configBPF},
-	{"map CGROUP_ARRAY", ebpf.CGroupArray, "the cgroup the splice watch covers", configBPF},
+	{"map CGROUP_ARRAY", ebpf.CGroupArray, "the cgroup the syscall watches cover", configBPF},
 }
 
 func (p *prober) mapTypes() {
@@ -126,6 +126,7 @@ var helpers = []struct {
 	{ebpf.SockOps, "sock_ops", asm.FnSkcToTcpSock, "bpf_skc_to_tcp_sock", "reads TCP state (Linux 5.9, BTF, CAP_PERFMON)", configBTF},
 	{ebpf.SkMsg, "sk_msg", asm.FnMsgRedirectHash, "bpf_msg_redirect_hash", "the redirect itself", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnSkStorageGet, "bpf_sk_storage_get", "per-socket decision cache", configSockMsg},
+	{ebpf.TracePoint, "tracepoint", asm.FnProbeReadUser, "bpf_probe_read_user", "reads the value of setsockopt(SO_RCVLOWAT) (syscall watch)", configTrace},
 }
 
 // baseHelpers are available to every program type meshwarp loads on every
@@ -345,6 +346,20 @@ func (p *prober) spliceLimitation() {
 			"on TCP, but the connection that revealed the reader has already lost them",
 		Fix: "exclude the ports of splice readers up front: --exclude-ports (HAProxy with option splice-*, " +
 			"Go io.Copy/ReadFrom between two TCP connections)"})
+}
+
+// receiveLimitation names the TCP guarantees this kernel's sockmap receive
+// and close paths (tcp_bpf_recvmsg, sock_map_close) do not give a redirected
+// connection. meshwarp learns them from syscalls and keeps later connections
+// on those ports on TCP (docs/ARCHITECTURE.md, "TCP guarantees").
+func (p *prober) receiveLimitation() {
+	p.add(Check{Name: CheckReceiveLimit, Status: StatusWarn,
+		Detail: "limitation: on an accelerated socket, recv(MSG_WAITALL) and SO_RCVLOWAT set after the " +
+			"connection returns what is queued, MSG_OOB carries no urgent mark, and close() with unread " +
+			"bytes sends FIN, not RST. meshwarp watches these calls in the attached cgroup and keeps later " +
+			"connections on that socket's ports on TCP; the connection that revealed the call already ran " +
+			"accelerated. FIONREAD after a writer fell back to TCP (backpressure) counts only the redirected bytes",
+		Fix: "exclude the ports of programs that rely on these up front: --exclude-ports"})
 }
 
 func (p *prober) sockmapLink() {

@@ -65,6 +65,7 @@ const (
 	CheckCgroupLink    = "link cgroup sock_ops"
 	CheckSockmapLink   = "link sk_msg sockhash"
 	CheckSpliceLimit   = "splice of accelerated sockets"
+	CheckReceiveLimit  = "TCP receive semantics of accelerated sockets"
 )
 
 const verdictReady = "ready: this kernel can accelerate"

@@ -78,6 +78,7 @@ func Run(opts Options) Report {
 	p.cgroupLink()
 	p.sockmapLink()
 	p.spliceLimitation()
+	p.receiveLimitation()
 	return NewReport(p.release, p.checks)
 }
 

@@ -1,0 +1,129 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package accel
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
+)
+
+// tracefsDir is where the tracepoint ids are read from.
+const tracefsDir = "/sys/kernel/tracing"
+
+// UnfitProcess is a process of the accelerated cgroup seen doing, on an
+// accelerated socket, what a redirect cannot honour (Reason: splice_reader,
+// waitall_reader, oob, rcvlowat, unread_close). Later connections on that
+// socket's ports are left to TCP.
+type UnfitProcess struct {
+	PID    uint32 `json:"pid"`
+	Comm   string `json:"comm"`
+	Reason string `json:"reason"`
+	Calls  uint64 `json:"calls"`
+}
+
+// syscallWatches are the tracepoints (syscalls:sys_enter_*) that learn
+// unfit sockets, by program.
+func syscallWatches(o *accelObjects) map[string]*ebpf.Program {
+	return map[string]*ebpf.Program{
+		"sys_enter_splice":     o.MwSpliceWatch,
+		"sys_enter_recvfrom":   o.MwRecvfromWatch,
+		"sys_enter_recvmsg":    o.MwRecvmsgWatch,
+		"sys_enter_recvmmsg":   o.MwRecvmmsgWatch,
+		"sys_enter_sendto":     o.MwSendtoWatch,
+		"sys_enter_sendmsg":    o.MwSendmsgWatch,
+		"sys_enter_sendmmsg":   o.MwSendmmsgWatch,
+		"sys_enter_setsockopt": o.MwSetsockoptWatch,
+		"sys_enter_close":      o.MwCloseWatch,
+	}
+}
+
+// watchSyscalls attaches the syscall watches for the processes of
+// cgroupPath, mounting tracefs if nothing is mounted there. All or none.
+func watchSyscalls(o *accelObjects, cgroupPath string) ([]link.Link, error) {
+	cg, err := os.Open(cgroupPath)
+	if err != nil {
+		return nil, err
+	}
+	defer cg.Close()
+	if err := o.MwCgroup.Put(uint32(0), uint32(cg.Fd())); err != nil {
+		return nil, fmt.Errorf("set watched cgroup: %w", err)
+	}
+	if err := ensureTracefs(); err != nil {
+		return nil, err
+	}
+	var links []link.Link
+	for _, tp := range slices.Sorted(maps.Keys(syscallWatches(o))) {
+		l, err := link.Tracepoint("syscalls", tp, syscallWatches(o)[tp], nil)
+		if err != nil {
+			for _, l := range links {
+				l.Close()
+			}
+			return nil, fmt.Errorf("attach to syscalls:%s: %w", tp, err)
+		}
+		links = append(links, l)
+	}
+	return links, nil
+}
+
+func ensureTracefs() error {
+	if _, err := os.Stat(filepath.Join(tracefsDir, "events")); err == nil {
+		return nil
+	}
+	if err := unix.Mount("tracefs", tracefsDir, "tracefs", 0, ""); err != nil {
+		return fmt.Errorf("tracefs not mounted and mounting it failed (mount -t tracefs tracefs %s): %w", tracefsDir, err)
+	}
+	return nil
+}
+
+// readUnfitProcesses lists the processes that taught a learned reason.
+func readUnfitProcesses(m *ebpf.Map) ([]UnfitProcess, error) {
+	var out []UnfitProcess
+	var key accelMwUnfitKey
+	var v accelMwUnfitProc
+	it := m.Iterate()
+	for it.Next(&key, &v) {
+		comm := make([]byte, 0, len(v.Comm))
+		for _, c := range v.Comm {
+			comm = append(comm, byte(c))
+		}
+		reason := ""
+		if int(key.Reason) < len(reasonNames) {
+			reason = reasonNames[key.Reason]
+		}
+		out = append(out, UnfitProcess{PID: key.Tgid, Comm: string(bytes.TrimRight(comm, "\x00")), Reason: reason, Calls: v.Calls})
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("read mw_unfit_procs: %w", err)
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].PID != out[j].PID {
+			return out[i].PID < out[j].PID
+		}
+		return out[i].Reason < out[j].Reason
+	})
+	return out, nil
+}
+
+// pinnedUnfitProcesses reads mw_unfit_procs from pinDir; a missing map
+// (older agent) is no error.
+func pinnedUnfitProcesses(pinDir string) ([]UnfitProcess, error) {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, "mw_unfit_procs"), &ebpf.LoadPinOptions{ReadOnly: true})
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer m.Close()
+	return readUnfitProcesses(m)
+}
