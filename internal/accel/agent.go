@@ -123,7 +123,7 @@ type Agent struct {
 	// pinned, so between agents nothing is learned, while the data path
 	// keeps running.
 	watches []link.Link
-	closed bool
+	closed  bool
 	// Adopted is true when Start found pinned state from an earlier agent and took it over.
 	Adopted bool
 }

@@ -127,7 +127,9 @@ func compareTypes(pinned []*btf.Spec, ms *ebpf.MapSpec) error {
 
 // layoutDiff names the members only one of two layouts has.
 func layoutDiff(pinned, here string) string {
-	split := func(s string) []string { return strings.FieldsFunc(s, func(r rune) bool { return r == ';' || r == '{' }) }
+	split := func(s string) []string {
+		return strings.FieldsFunc(s, func(r rune) bool { return r == ';' || r == '{' })
+	}
 	a, b := split(pinned), split(here)
 	var out []string
 	for _, x := range a {
