@@ -369,6 +369,24 @@ static __always_inline bool policy_allows(const struct mw_endpoint *dst)
 }
 
 /*
+ * Exclusions on the accepted side's own endpoint (the server as NAT
+ * delivered the connection): an excluded server port or address stays on
+ * TCP whatever the client dialled. Include lists apply to the dialled
+ * destination only (under capture the accepted side is the sidecar's port).
+ */
+static __always_inline bool policy_excludes(const struct mw_endpoint *ep)
+{
+	__u32 port = ep->port_host;
+	__u32 *action = bpf_map_lookup_elem(&mw_port_policy, &port);
+	struct mw_cidr_key key = { .prefixlen = 128 };
+
+	if (action && *action == MW_PORT_EXCLUDE)
+		return true;
+	__builtin_memcpy(key.addr, ep->addr, sizeof(key.addr));
+	return bpf_map_lookup_elem(&mw_cidr_excl, &key) != NULL;
+}
+
+/*
  * Why this socket must not be paired, whatever its peer: 0 if none.
  * TCP_REPAIR: its owner chose its sequence numbers (no handshake), so they
  * prove nothing. SO_RCVLOWAT > 1: tcp_bpf's recvmsg ignores the low mark.
@@ -758,6 +776,10 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	reason = socket_unfit(sk);
 	if (reason) {
 		passive_gives_up(&id, c, reason);
+		return;
+	}
+	if (policy_excludes(&t.local)) {
+		passive_gives_up(&id, c, MW_REASON_POLICY);
 		return;
 	}
 	learned = bpf_map_lookup_elem(&mw_unfit_lport, &t.local.port_host);

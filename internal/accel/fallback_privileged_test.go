@@ -231,3 +231,37 @@ func TestPrivilegedSpliceReaderPortLeftToTCP(t *testing.T) {
 			d.RedirectedBytes, d.PassthroughConnections["splice_reader"], fallbackOpts.Conns)
 	}
 }
+
+// Exclusions apply to the accepting side too: a server whose real port is
+// excluded stays on TCP when clients reach it through a port redirect (the
+// dialled port is not excluded), and is accelerated once the exclusion goes.
+func TestPrivilegedFallbackPolicyAcceptingSide(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	a := startAgent(t, Config{})
+	ns := testutil.NewNetns(t, "policy")
+	testutil.Run(t, "ip", "netns", "exec", ns.Name, "iptables", "-w", "-t", "nat", "-A", "OUTPUT",
+		"-p", "tcp", "-d", "127.0.0.1", "--dport", "7100", "-j", "REDIRECT", "--to-ports", "7101")
+	srv := testutil.ServeEcho(listenIn(t, ns, "127.0.0.1:7101"))
+	defer srv.Close()
+	if err := a.ApplyPolicy(Policy{ExcludePorts: []uint16{7101}}); err != nil {
+		t.Fatal(err)
+	}
+	run := func() Stats {
+		t.Helper()
+		before := stats(t, a)
+		if err := testutil.CheckIntegrity(dialIn(ns, "127.0.0.1:7100", ""), fallbackOpts).Err(); err != nil {
+			t.Fatal(err)
+		}
+		return stats(t, a).Sub(before)
+	}
+	if d := run(); d.RedirectedBytes != 0 || d.PassthroughConnections["policy"] != uint64(fallbackOpts.Conns) {
+		t.Fatalf("server port excluded behind a redirect: redirected %d bytes, policy passthrough %d (want 0, %d)",
+			d.RedirectedBytes, d.PassthroughConnections["policy"], fallbackOpts.Conns)
+	}
+	if err := a.ApplyPolicy(Policy{}); err != nil {
+		t.Fatal(err)
+	}
+	if d := run(); d.RedirectedBytes == 0 {
+		t.Fatal("without the exclusion the redirected connections were not accelerated")
+	}
+}

@@ -13,7 +13,10 @@ import (
 
 // Policy says which connections may be accelerated, by the destination the
 // application asked for. Empty include lists mean "everything"; excludes win
-// over includes. Applied through maps: changing it needs no reload.
+// over includes. Exclusions also apply to the accepting side's own port and
+// address (a server behind DNAT or a port redirect is excluded by its real
+// port, whatever port the client dialled). Applied through maps: changing
+// it needs no reload.
 type Policy struct {
 	IncludePorts []uint16       `json:"include_ports,omitempty"`
 	ExcludePorts []uint16       `json:"exclude_ports,omitempty"`

@@ -53,14 +53,17 @@ Stopping:
   SIGKILL          leaves everything attached; the next run adopts it
   SIGHUP           reload --config and apply the policy without a reload of programs
 
-Policy (destination as the application asked for it, before NAT):
+Policy (destination as the application asked for it, before NAT; exclusions
+also match the accepting server's own port and address, after NAT):
   --include-ports 8080,9000-9010   only these ports (default: all)
   --exclude-ports 3306             never these ports
   --include-cidrs 10.0.0.0/8       only these destinations (default: all)
   --exclude-cidrs 192.168.7.0/24   never these destinations
 Receivers that read with splice(2) (e.g. Go io.Copy between two TCP
-connections, HAProxy with option splice-*) cannot see redirected bytes:
-exclude their ports.`,
+connections, HAProxy with option splice-*), programs that use MSG_WAITALL,
+MSG_OOB, SO_RCVLOWAT after connecting, or close with unread data cannot get
+those from a redirect: the agent learns such ports after the first
+connection; exclude them up front so that no connection is affected.`,
 		Example: `  meshwarp run
   meshwarp run --cgroup /sys/fs/cgroup/unified/kubepods --exclude-ports 3306
   meshwarp run --config /etc/meshwarp/policy.yaml --metrics-addr 0.0.0.0:9464`,
