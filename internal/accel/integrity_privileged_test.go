@@ -82,12 +82,23 @@ func TestPrivilegedIntegrityLoopback(t *testing.T) {
 				}
 				s := stats(t, a)
 				t.Logf("paired sockets %d, redirected %d msgs / %d bytes, passthrough %v", s.PairedSockets, s.RedirectedMessages, s.RedirectedBytes, s.PassthroughConnections)
-				if s.RedirectedBytes == 0 || s.PairedSockets == 0 {
-					t.Fatalf("no acceleration happened: %+v", s)
-				}
+				requireShare(t, s, integrityOpts.Conns, 0.95)
 				waitNoAcceleratedSockets(t, a)
 			})
 		}
+	}
+}
+
+// requireShare fails unless at least frac of conns connections were paired
+// and at least frac of the bytes their sockets sent were redirected: a
+// regression to mostly-TCP fails, not only one to no acceleration at all.
+func requireShare(t *testing.T, d Stats, conns int, frac float64) {
+	t.Helper()
+	paired := float64(d.PairedSockets) / 2
+	total := float64(d.RedirectedBytes + d.PassthroughBytes)
+	if paired < frac*float64(conns) || total == 0 || float64(d.RedirectedBytes) < frac*total {
+		t.Fatalf("acceleration share too low: %.0f of %d connections paired, %d of %.0f bytes redirected (want >= %.0f%%); left to TCP: %v",
+			paired, conns, d.RedirectedBytes, total, frac*100, d.PassthroughConnections)
 	}
 }
 
