@@ -20,7 +20,8 @@
  * sockmap receive path does not: splice(2) reads only the TCP queue;
  * recv(MSG_WAITALL) and SO_RCVLOWAT set after pairing return what the
  * redirect queue holds; MSG_OOB has no urgent mark on redirected bytes;
- * close() with unread redirected bytes sends FIN where TCP sends RST. The
+ * close() with unread redirected bytes sends FIN where TCP sends RST;
+ * connect(AF_UNSPEC) leaves unread redirected bytes for the next connection. The
  * connection that reveals it already runs; later connections on that
  * socket's ports are left to TCP (mw_unfit_lport, mw_unfit_rport), and
  * `meshwarp status` names the processes (mw_unfit_procs).
@@ -404,6 +405,21 @@ static __always_inline __u32 socket_unfit(struct bpf_sock *sk)
 	return 0;
 }
 
+/*
+ * Whether the connecting socket wrote before it was established (TCP Fast
+ * Open data in the SYN or queued behind it, a write that raced connect):
+ * those bytes are on the TCP path, and redirected later bytes could overtake
+ * them in the receiver (tcp_bpf_recvmsg reads the redirect queue first).
+ */
+static __always_inline bool wrote_early(struct bpf_sock *sk, __u32 snd_nxt)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+
+	if (!tp)
+		return true;
+	return tp->write_seq != snd_nxt || tp->bytes_sent != 0;
+}
+
 /* The uid owning the socket (the process that created it), via BTF. */
 static __always_inline __u32 socket_uid(struct bpf_sock *sk)
 {
@@ -624,6 +640,8 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	/* Consume the connect's notes first, whatever happens next. */
 	hinted = take_syn_hint(&t.local);
 	reason = socket_unfit(sk);
+	if (!reason && wrote_early(sk, snd_nxt))
+		reason = MW_REASON_EARLY_DATA;
 	if (reason) {
 		keep_off(reason);
 		return;
@@ -646,6 +664,8 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 	if (!st)
 		return;
+	/* A socket reconnected after connect(AF_UNSPEC) keeps its storage: start clean. */
+	__builtin_memset(st, 0, sizeof(*st));
 	st->role = MW_ROLE_ACTIVE;
 
 	conn.active_cookie = bpf_get_socket_cookie(skops);
@@ -877,6 +897,8 @@ static __always_inline void on_close(struct bpf_sock *sk)
 	}
 	st->decision = MW_CONN_PASSTHROUGH;
 	st->reason = MW_REASON_PEER_CLOSED;
+	/* Counted once: a socket reconnected after connect(AF_UNSPEC) closes again. */
+	st->paired = 0;
 }
 
 SEC("sockops")
@@ -946,11 +968,27 @@ static __always_inline __u32 peer_backlog(__u64 peer_sk)
 }
 
 /* Decide once per socket, on its first message; cache the answer in sk_storage. */
-static __always_inline void decide(struct mw_sk_state *st)
+static __always_inline void decide(struct mw_sk_state *st, struct bpf_sock *sk)
 {
 	struct mw_conn_id id = st->peer.conn;
 	struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &id);
+	struct tcp_sock *tp;
 
+	/*
+	 * A write that entered sendmsg before this socket joined mw_sock_hash
+	 * (one racing connect, TCP Fast Open's first write) went by TCP: this
+	 * direction stays on TCP, or redirected bytes could overtake it.
+	 */
+	tp = st->role == MW_ROLE_ACTIVE ? bpf_skc_to_tcp_sock(sk) : NULL;
+	if (tp && tp->write_seq != id.active_isn1) {
+		if (c)
+			conn_passthrough(c, MW_REASON_EARLY_DATA);
+		if (!c || c->state == MW_CONN_PAIRED)
+			count_conn(MW_REASON_EARLY_DATA);
+		st->decision = MW_CONN_PASSTHROUGH;
+		st->reason = MW_REASON_EARLY_DATA;
+		return;
+	}
 	if (!c) {
 		st->decision = MW_CONN_PASSTHROUGH;
 		st->reason = MW_REASON_NO_PEER;
@@ -990,7 +1028,7 @@ int mw_skmsg(struct sk_msg_md *msg)
 	if (!st)
 		return SK_PASS;
 	if (!st->decision)
-		decide(st);
+		decide(st, sk);
 
 	cnt = counters();
 	if (st->decision == MW_CONN_PAIRED) {
@@ -1217,6 +1255,27 @@ int mw_setsockopt_watch(struct trace_event_raw_sys_enter *ctx)
 	sk = fd_socket(ctx->args[0]);
 	if (sk && in_sockmap(sk))
 		learn_unfit(sk, MW_REASON_RCVLOWAT);
+	return 0;
+}
+
+/*
+ * connect(fd, {AF_UNSPEC}) on a socket with a psock: TCP drops the unread
+ * bytes of the connection it dissolves, but the redirect queue survives and
+ * the next connection on the socket would read them first.
+ */
+SEC("tracepoint/syscalls/sys_enter_connect")
+int mw_connect_watch(struct trace_event_raw_sys_enter *ctx)
+{
+	struct sock *sk;
+	__u16 family = 0xffff;
+
+	if (bpf_probe_read_user(&family, sizeof(family), (void *)ctx->args[1]) || family != 0 /* AF_UNSPEC */)
+		return 0;
+	if (bpf_current_task_under_cgroup(&mw_cgroup, 0) != 1)
+		return 0;
+	sk = fd_socket(ctx->args[0]);
+	if (sk && in_sockmap(sk))
+		learn_unfit(sk, MW_REASON_DISCONNECT);
 	return 0;
 }
 

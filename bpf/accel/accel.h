@@ -69,7 +69,9 @@ enum mw_reason {
 	MW_REASON_WAITALL_READER = 16, /* recv(MSG_WAITALL): the redirect queue returns what it holds */
 	MW_REASON_OOB = 17,            /* MSG_OOB sent or read: redirected bytes carry no urgent mark */
 	MW_REASON_UNREAD_CLOSE = 18,   /* close() with unread redirected bytes: TCP would send RST, not FIN */
-	MW_REASON_MAX = 19,
+	MW_REASON_EARLY_DATA = 19,     /* bytes written before ESTABLISHED (TCP Fast Open, a write racing connect) went to TCP */
+	MW_REASON_DISCONNECT = 20,     /* learned: connect(AF_UNSPEC) keeps unread redirected bytes for the next connection */
+	MW_REASON_MAX = 21,
 };
 
 /* Which mesh hop a paired connection is. */

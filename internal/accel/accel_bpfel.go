@@ -60,16 +60,16 @@ type accelMwCounters struct {
 	RedirectedMsgs    uint64
 	RedirectedBytes   uint64
 	SockhashFull      uint64
-	PassthroughMsgs   [19]uint64
-	PassthroughBytes  [19]uint64
-	PassthroughConns  [19]uint64
+	PassthroughMsgs   [21]uint64
+	PassthroughBytes  [21]uint64
+	PassthroughConns  [21]uint64
 	HopConns          [4]uint64
 	HopMsgs           [4]uint64
 	HopBytes          [4]uint64
 	SpliceSocketReads uint64
 	NatPortRemaps     uint64
-	UnfitCalls        [19]uint64
-	SocketsRemoved    [19]uint64
+	UnfitCalls        [21]uint64
+	SocketsRemoved    [21]uint64
 }
 
 type accelMwEndpoint struct {
@@ -116,7 +116,9 @@ const (
 	accelMwReasonMW_REASON_WAITALL_READER   accelMwReason = 16
 	accelMwReasonMW_REASON_OOB              accelMwReason = 17
 	accelMwReasonMW_REASON_UNREAD_CLOSE     accelMwReason = 18
-	accelMwReasonMW_REASON_MAX              accelMwReason = 19
+	accelMwReasonMW_REASON_EARLY_DATA       accelMwReason = 19
+	accelMwReasonMW_REASON_DISCONNECT       accelMwReason = 20
+	accelMwReasonMW_REASON_MAX              accelMwReason = 21
 )
 
 type accelMwSkState struct {
@@ -181,6 +183,7 @@ const (
 	accelMapMwUnfitRport        = "mw_unfit_rport"
 	accelMapMwUnhinted          = "mw_unhinted"
 	accelProgMwCloseWatch       = "mw_close_watch"
+	accelProgMwConnectWatch     = "mw_connect_watch"
 	accelProgMwRecvfromWatch    = "mw_recvfrom_watch"
 	accelProgMwRecvmmsgWatch    = "mw_recvmmsg_watch"
 	accelProgMwRecvmsgWatch     = "mw_recvmsg_watch"
@@ -241,6 +244,7 @@ type accelSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelProgramSpecs struct {
 	MwCloseWatch      *ebpf.ProgramSpec `ebpf:"mw_close_watch"`
+	MwConnectWatch    *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
 	MwRecvfromWatch   *ebpf.ProgramSpec `ebpf:"mw_recvfrom_watch"`
 	MwRecvmmsgWatch   *ebpf.ProgramSpec `ebpf:"mw_recvmmsg_watch"`
 	MwRecvmsgWatch    *ebpf.ProgramSpec `ebpf:"mw_recvmsg_watch"`
@@ -358,6 +362,7 @@ type accelVariables struct {
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelPrograms struct {
 	MwCloseWatch      *ebpf.Program `ebpf:"mw_close_watch"`
+	MwConnectWatch    *ebpf.Program `ebpf:"mw_connect_watch"`
 	MwRecvfromWatch   *ebpf.Program `ebpf:"mw_recvfrom_watch"`
 	MwRecvmmsgWatch   *ebpf.Program `ebpf:"mw_recvmmsg_watch"`
 	MwRecvmsgWatch    *ebpf.Program `ebpf:"mw_recvmsg_watch"`
@@ -373,6 +378,7 @@ type accelPrograms struct {
 func (p *accelPrograms) Close() error {
 	return _AccelClose(
 		p.MwCloseWatch,
+		p.MwConnectWatch,
 		p.MwRecvfromWatch,
 		p.MwRecvmmsgWatch,
 		p.MwRecvmsgWatch,

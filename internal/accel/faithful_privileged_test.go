@@ -3,12 +3,16 @@
 package accel
 
 import (
+	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"slices"
 	"syscall"
 	"testing"
+	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -227,31 +231,68 @@ func TestPrivilegedFaithfulRcvlowat(t *testing.T) {
 	})
 }
 
+// liveSeqs reads a live socket's send and receive sequence numbers (repair
+// mode on, read, off again), as an attacker with CAP_NET_ADMIN could.
+func liveSeqs(t *testing.T, c net.Conn) (snd, rcv int) {
+	t.Helper()
+	onFD(t, c, func(fd int) {
+		must := func(err error) {
+			if err != nil {
+				t.Fatalf("repair read of live sequence numbers: %v", err)
+			}
+		}
+		must(unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_REPAIR, 1))
+		must(unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_REPAIR_QUEUE, 2 /* TCP_SEND_QUEUE */))
+		v, err := unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_QUEUE_SEQ)
+		must(err)
+		snd = v
+		must(unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_REPAIR_QUEUE, 1 /* TCP_RECV_QUEUE */))
+		v, err = unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_QUEUE_SEQ)
+		must(err)
+		rcv = v
+		must(unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_REPAIR, -1 /* TCP_REPAIR_OFF_NO_WP */))
+	})
+	return snd, rcv
+}
+
 // A socket in TCP_REPAIR mode reaches ESTABLISHED with sequence numbers its
-// owner chose and no handshake: it is never paired, whatever it claims.
+// owner chose and no handshake: it is never paired, whatever it claims. Here
+// it claims everything a live paired connection has (same addresses, in
+// another namespace, and that connection's own sequence numbers): it joins
+// nothing and gets none of the live connection's bytes.
 func TestPrivilegedFaithfulRepairSocketNotPaired(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	a := startAgent(t, Config{})
 	ln := mustListen(t, "127.0.0.1:0")
 	defer ln.Close()
-	// A real connection whose sequence numbers a repair socket could copy.
-	pairedConn(t, a, ln, dialer(ln.Addr().String()))
+	client, server := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+	snd, rcv := liveSeqs(t, client)
+	local := client.LocalAddr().(*net.TCPAddr)
+	port := portOf(t, ln.Addr().String())
 
 	before := stats(t, a)
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
-	if err != nil {
-		t.Fatal(err)
+	ns := testutil.NewNetns(t, "repair")
+	var fd int
+	if err := ns.Do(func() error {
+		var err error
+		if fd, err = unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0); err != nil {
+			return err
+		}
+		for _, o := range [][2]int{{unix.TCP_REPAIR, 1}, {unix.TCP_REPAIR_QUEUE, 2 /* TCP_SEND_QUEUE */}, {unix.TCP_QUEUE_SEQ, snd},
+			{unix.TCP_REPAIR_QUEUE, 1 /* TCP_RECV_QUEUE */}, {unix.TCP_QUEUE_SEQ, rcv}} {
+			if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, o[0], o[1]); err != nil {
+				return fmt.Errorf("setsockopt %d: %w", o[0], err)
+			}
+		}
+		unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1)
+		if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}, Port: local.Port}); err != nil {
+			return fmt.Errorf("bind the live client's address: %w", err)
+		}
+		return unix.Connect(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}, Port: int(port)})
+	}); err != nil {
+		t.Fatalf("repair-mode socket: %v", err)
 	}
 	defer unix.Close(fd)
-	for _, o := range [][2]int{{unix.TCP_REPAIR, 1}, {unix.TCP_REPAIR_QUEUE, 2 /* TCP_SEND_QUEUE */}, {unix.TCP_QUEUE_SEQ, 1000}} {
-		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, o[0], o[1]); err != nil {
-			t.Fatalf("setsockopt %d: %v", o[0], err)
-		}
-	}
-	port := portOf(t, ln.Addr().String())
-	if err := unix.Connect(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}, Port: int(port)}); err != nil {
-		t.Fatalf("repair-mode connect: %v", err)
-	}
 	cookie, err := unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_COOKIE)
 	if err != nil {
 		t.Fatal(err)
@@ -262,4 +303,213 @@ func TestPrivilegedFaithfulRepairSocketNotPaired(t *testing.T) {
 	if d := stats(t, a).Sub(before); d.PassthroughConnections["tcp_repair"] != 1 {
 		t.Fatalf("tcp_repair connections = %d, want 1 (%v)", d.PassthroughConnections["tcp_repair"], d.PassthroughConnections)
 	}
+	// The live connection is untouched: the server gets the client's bytes,
+	// the impostor none.
+	if _, err := client.Write([]byte("for the server only")); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len("for the server only"))
+	server.SetReadDeadline(time.Now().Add(20 * time.Second))
+	if _, err := io.ReadFull(server, got); err != nil || string(got) != "for the server only" {
+		t.Fatalf("live server read %q, %v", got, err)
+	}
+	unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_REPAIR, 0)
+	if n, _, err := unix.Recvfrom(fd, make([]byte, 64), unix.MSG_DONTWAIT); n > 0 {
+		t.Fatalf("the repair-mode impostor read %d bytes of the live connection (%v)", n, err)
+	}
+}
+
+// rawConnect connects a blocking socket to addr (connect(AF_UNSPEC) when addr is nil).
+func rawConnect(fd int, addr *net.TCPAddr) error {
+	if addr == nil {
+		var unspec [16]byte // struct sockaddr with sa_family AF_UNSPEC
+		_, _, errno := unix.Syscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&unspec[0])), uintptr(len(unspec)))
+		if errno != 0 {
+			return errno
+		}
+		return nil
+	}
+	return unix.Connect(fd, &unix.SockaddrInet4{Port: addr.Port, Addr: [4]byte(addr.IP.To4())})
+}
+
+// acceptOne accepts one connection of ln in the background.
+func acceptOne(ln net.Listener) <-chan net.Conn {
+	ch := make(chan net.Conn, 1)
+	go func() {
+		c, _ := ln.Accept()
+		ch <- c
+	}()
+	return ch
+}
+
+// readFull reads exactly len(b) bytes from a blocking socket.
+func readFull(fd int, b []byte) error {
+	for off := 0; off < len(b); {
+		n, err := unix.Read(fd, b[off:])
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			return io.ErrUnexpectedEOF
+		}
+		off += n
+	}
+	return nil
+}
+
+// disconnectWithUnread connects a blocking socket to ln, lets the peer
+// queue bytes the socket never reads, and dissolves the connection with
+// connect(AF_UNSPEC). It returns the socket and the old peer.
+func disconnectWithUnread(t *testing.T, ln net.Listener) (fd int, old net.Conn) {
+	t.Helper()
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	tv := unix.Timeval{Sec: 20}
+	unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+	acc := acceptOne(ln)
+	if err := rawConnect(fd, ln.Addr().(*net.TCPAddr)); err != nil {
+		t.Fatal(err)
+	}
+	old = <-acc
+	t.Cleanup(func() { old.Close() })
+	const unread = "old bytes nobody reads"
+	if _, err := old.Write([]byte(unread)); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		n, _ := unix.IoctlGetInt(fd, unix.SIOCINQ)
+		if n == len(unread) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("old bytes never queued at the client (FIONREAD %d)", n)
+		}
+		time.Sleep(time.Millisecond) // polling interval
+	}
+	if err := rawConnect(fd, nil); err != nil {
+		t.Fatalf("connect(AF_UNSPEC): %v", err)
+	}
+	return fd, old
+}
+
+// connect(AF_UNSPEC) dissolves a connection; a new connect() on the same
+// socket starts another. On TCP the old connection's unread bytes are gone:
+// the new peer gets exactly the new bytes and the socket reads only the new
+// peer's. On a paired socket this kernel keeps the redirect queue across the
+// disconnect, so the agent learns the call (disconnect) and leaves later
+// connections on those ports to TCP; the check runs on such a later one.
+func TestPrivilegedFaithfulReconnectAfterDisconnect(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		lnA, lnB := mustListen(t, "127.0.0.1:0"), mustListen(t, "127.0.0.1:0")
+		defer lnA.Close()
+		defer lnB.Close()
+		if a != nil {
+			// The revealing connection (paired): its old bytes leak, as documented.
+			disconnectWithUnread(t, lnA)
+			deadline := time.Now().Add(10 * time.Second)
+			for stats(t, a).UnfitCalls["disconnect"] == 0 {
+				if time.Now().After(deadline) {
+					t.Fatal("the agent did not learn the disconnect")
+				}
+				time.Sleep(5 * time.Millisecond) // polling interval
+			}
+		}
+		var before Stats
+		if a != nil {
+			before = stats(t, a)
+		}
+		fd, old := disconnectWithUnread(t, lnA)
+		if a != nil {
+			if d := stats(t, a).Sub(before); d.PassthroughConnections["disconnect"] != 1 {
+				t.Fatalf("the later connection was not left to TCP as disconnect: %v", d.PassthroughConnections)
+			}
+		}
+		accB := acceptOne(lnB)
+		if err := rawConnect(fd, lnB.Addr().(*net.TCPAddr)); err != nil {
+			t.Fatalf("reconnect: %v", err)
+		}
+		sB := <-accB
+		defer sB.Close()
+		if _, err := unix.Write(fd, []byte("to B")); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, 4)
+		sB.SetReadDeadline(time.Now().Add(20 * time.Second))
+		if _, err := io.ReadFull(sB, got); err != nil || string(got) != "to B" {
+			t.Fatalf("new peer read %q, %v; want \"to B\"", got, err)
+		}
+		if _, err := sB.Write([]byte("from B")); err != nil {
+			t.Fatal(err)
+		}
+		got = make([]byte, 6)
+		if err := readFull(fd, got); err != nil || string(got) != "from B" {
+			t.Fatalf("reconnected socket read %q, %v; want \"from B\" (old bytes must not surface)", got, err)
+		}
+		// The old peer sees its connection end and none of the new bytes.
+		old.SetReadDeadline(time.Now().Add(20 * time.Second))
+		if rest, err := io.ReadAll(old); len(rest) != 0 || (err != nil && !errors.Is(err, syscall.ECONNRESET)) {
+			t.Fatalf("old peer read %q, %v; want nothing, then EOF or reset", rest, err)
+		}
+	})
+}
+
+// Bytes written before the connection is established travel by TCP; a later
+// write must not overtake them. TCP Fast Open without a cookie (client
+// sysctl 0x5) puts the first write in the SYN; a server without Fast Open
+// ignores it, and the client sends it again after the handshake. Such
+// connections are never paired (early_data).
+func TestPrivilegedFaithfulEarlyWriteKeepsOrder(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		ns := testutil.NewNetns(t, "tfo")
+		testutil.Run(t, "ip", "netns", "exec", ns.Name, "sysctl", "-qw", "net.ipv4.tcp_fastopen=5")
+		ln := listenIn(t, ns, "127.0.0.1:7200")
+		defer ln.Close()
+		var before Stats
+		if a != nil {
+			before = stats(t, a)
+		}
+		received := make(chan []byte, 1)
+		go func() {
+			c, err := ln.Accept()
+			if err != nil {
+				received <- nil
+				return
+			}
+			defer c.Close()
+			c.SetReadDeadline(time.Now().Add(20 * time.Second))
+			b, _ := io.ReadAll(c)
+			received <- b
+		}()
+		first, second := bytes.Repeat([]byte("A"), 1000), bytes.Repeat([]byte("B"), 1000)
+		var fd int
+		if err := ns.Do(func() (err error) {
+			if fd, err = unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0); err != nil {
+				return err
+			}
+			return unix.Sendto(fd, first, unix.MSG_FASTOPEN, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}, Port: 7200})
+		}); err != nil {
+			t.Fatalf("sendto(MSG_FASTOPEN): %v", err)
+		}
+		defer unix.Close(fd)
+		if _, err := unix.Write(fd, second); err != nil {
+			t.Fatal(err)
+		}
+		unix.Shutdown(fd, unix.SHUT_WR)
+		got := <-received
+		if !bytes.Equal(got, append(first, second...)) {
+			t.Fatalf("server read %d bytes, first write first: %v", len(got), bytes.HasPrefix(got, first))
+		}
+		if a != nil {
+			if d := stats(t, a).Sub(before); d.PassthroughConnections["early_data"] != 1 {
+				t.Fatalf("the connection with early data was not left to TCP as early_data: %v (redirected %d msgs)",
+					d.PassthroughConnections, d.RedirectedMessages)
+			}
+		}
+	})
 }

@@ -22,7 +22,7 @@ const tracefsDir = "/sys/kernel/tracing"
 
 // UnfitProcess is a process of the accelerated cgroup seen doing, on an
 // accelerated socket, what a redirect cannot honour (Reason: splice_reader,
-// waitall_reader, oob, rcvlowat, unread_close). Later connections on that
+// waitall_reader, oob, rcvlowat, unread_close, disconnect). Later connections on that
 // socket's ports are left to TCP.
 type UnfitProcess struct {
 	PID    uint32 `json:"pid"`
@@ -44,6 +44,7 @@ func syscallWatches(o *accelObjects) map[string]*ebpf.Program {
 		"sys_enter_sendmmsg":   o.MwSendmmsgWatch,
 		"sys_enter_setsockopt": o.MwSetsockoptWatch,
 		"sys_enter_close":      o.MwCloseWatch,
+		"sys_enter_connect":    o.MwConnectWatch,
 	}
 }
 

@@ -48,12 +48,15 @@ attached). Counters are cumulative across agent restarts.
     policy          excluded by port/CIDR policy (connections only)
     hint_missed     both ends are in the cgroup, but the note of the answered SYN did not
                     reach the connecting socket
+    early_data      bytes were written before the connection was established (TCP Fast
+                    Open, a write racing connect): they went by TCP, so that direction stays
    learned: a process did this on an accelerated socket of the same port, which the
    redirect cannot honour; later connections on that port stay on TCP:
     splice_reader   read it with splice(2) (sees only the TCP queue)
     waitall_reader  recv(MSG_WAITALL) (the redirect queue returns what it holds)
     oob             sent or read MSG_OOB (redirected bytes carry no urgent mark)
     unread_close    closed it with unread bytes (TCP would send RST; the redirect path FIN)
+    disconnect      connect(AF_UNSPEC) on it (the redirect queue outlives the connection)
   removed_sockets_by_reason  sockets kept off the SOCKHASH (the connecting socket of a
                           no_local_peer, policy or splice_reader connection) or taken out
                           of it once their connection was left to TCP: from then on they

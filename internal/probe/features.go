@@ -126,6 +126,7 @@ var helpers = []struct {
 	{ebpf.SockOps, "sock_ops", asm.FnSkcToTcpSock, "bpf_skc_to_tcp_sock", "reads TCP state (Linux 5.9, BTF, CAP_PERFMON)", configBTF},
 	{ebpf.SkMsg, "sk_msg", asm.FnMsgRedirectHash, "bpf_msg_redirect_hash", "the redirect itself", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnSkStorageGet, "bpf_sk_storage_get", "per-socket decision cache", configSockMsg},
+	{ebpf.SkMsg, "sk_msg", asm.FnSkcToTcpSock, "bpf_skc_to_tcp_sock", "sees bytes written before pairing (early_data)", configBTF},
 	{ebpf.TracePoint, "tracepoint", asm.FnProbeReadUser, "bpf_probe_read_user", "reads the value of setsockopt(SO_RCVLOWAT) (syscall watch)", configTrace},
 }
 
@@ -356,7 +357,7 @@ func (p *prober) receiveLimitation() {
 	p.add(Check{Name: CheckReceiveLimit, Status: StatusWarn,
 		Detail: "limitation: on an accelerated socket, recv(MSG_WAITALL) and SO_RCVLOWAT set after the " +
 			"connection returns what is queued, MSG_OOB carries no urgent mark, and close() with unread " +
-			"bytes sends FIN, not RST. meshwarp watches these calls in the attached cgroup and keeps later " +
+			"bytes sends FIN, not RST, and connect(AF_UNSPEC) keeps unread redirected bytes for the socket's next connection. meshwarp watches these calls in the attached cgroup and keeps later " +
 			"connections on that socket's ports on TCP; the connection that revealed the call already ran " +
 			"accelerated. FIONREAD after a writer fell back to TCP (backpressure) counts only the redirected bytes",
 		Fix: "exclude the ports of programs that rely on these up front: --exclude-ports"})
