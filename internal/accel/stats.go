@@ -20,6 +20,8 @@ type Stats struct {
 	PassthroughMessages uint64            `json:"passthrough_messages"`
 	PassthroughBytes    uint64            `json:"passthrough_bytes"`
 	PassthroughByReason map[string]uint64 `json:"passthrough_by_reason"`
+	// PassthroughBytesByReason splits PassthroughBytes by reason.
+	PassthroughBytesByReason map[string]uint64 `json:"passthrough_bytes_by_reason"`
 	// PassthroughConnections counts connections left to TCP, by reason
 	// (including those never seen by sk_msg, such as policy exclusions).
 	PassthroughConnections map[string]uint64 `json:"passthrough_connections_by_reason"`
@@ -195,17 +197,18 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 		}
 	}
 	s := Stats{
-		RedirectedMessages:     t.RedirectedMsgs,
-		RedirectedBytes:        t.RedirectedBytes,
-		PairedSockets:          t.SocketsPaired,
-		SockhashFull:           t.SockhashFull,
-		SpliceSocketReads:      t.SpliceSocketReads,
-		NATPortRemaps:          t.NatPortRemaps,
-		PassthroughByReason:    map[string]uint64{},
-		PassthroughConnections: map[string]uint64{},
-		RemovedSockets:         map[string]uint64{},
-		UnfitCalls:             map[string]uint64{},
-		Hops:                   map[string]HopStats{},
+		RedirectedMessages:       t.RedirectedMsgs,
+		RedirectedBytes:          t.RedirectedBytes,
+		PairedSockets:            t.SocketsPaired,
+		SockhashFull:             t.SockhashFull,
+		SpliceSocketReads:        t.SpliceSocketReads,
+		NATPortRemaps:            t.NatPortRemaps,
+		PassthroughByReason:      map[string]uint64{},
+		PassthroughBytesByReason: map[string]uint64{},
+		PassthroughConnections:   map[string]uint64{},
+		RemovedSockets:           map[string]uint64{},
+		UnfitCalls:               map[string]uint64{},
+		Hops:                     map[string]HopStats{},
 	}
 	// Per-CPU counters are summed without a lock, so a close counted on one
 	// CPU can be seen before the matching pairing on another: clamp at 0.
@@ -217,6 +220,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 			continue
 		}
 		s.PassthroughByReason[name] = t.PassthroughMsgs[i]
+		s.PassthroughBytesByReason[name] = t.PassthroughBytes[i]
 		s.PassthroughConnections[name] = t.PassthroughConns[i]
 		s.RemovedSockets[name] = t.SocketsRemoved[i]
 		s.UnfitCalls[name] = t.UnfitCalls[i]
@@ -246,6 +250,7 @@ func (s Stats) Sub(before Stats) Stats {
 	d.SpliceSocketReads -= before.SpliceSocketReads
 	d.NATPortRemaps -= before.NATPortRemaps
 	d.PassthroughByReason = subMap(s.PassthroughByReason, before.PassthroughByReason)
+	d.PassthroughBytesByReason = subMap(s.PassthroughBytesByReason, before.PassthroughBytesByReason)
 	d.PassthroughConnections = subMap(s.PassthroughConnections, before.PassthroughConnections)
 	d.RemovedSockets = subMap(s.RemovedSockets, before.RemovedSockets)
 	d.UnfitCalls = subMap(s.UnfitCalls, before.UnfitCalls)

@@ -3,6 +3,7 @@
 package cli
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/config"
+	"github.com/meshwarp/meshwarp/internal/kube"
 	"github.com/meshwarp/meshwarp/internal/metrics"
 	"github.com/meshwarp/meshwarp/internal/probe"
 )
@@ -27,8 +29,14 @@ type runOptions struct {
 	unpaired    time.Duration
 	configFile  string
 	keepOnExit  bool
+	keepWhileDS string // namespace/name: keep on exit only while this DaemonSet stays
+	kubeconfig  string
 	policy      config.File
 }
+
+// configPollInterval is how often --config is re-read: a mounted ConfigMap
+// changes under the agent (the kubelet swaps the file), nobody sends SIGHUP.
+const configPollInterval = 2 * time.Second
 
 func newRunCommand(g *globalOptions) *cobra.Command {
 	o := &runOptions{}
@@ -52,6 +60,12 @@ Stopping:
                    'meshwarp run' adopts it (upgrades with no gap)
   SIGKILL          leaves everything attached; the next run adopts it
   SIGHUP           reload --config and apply the policy without a reload of programs
+                   (a changed --config file is also picked up within 2s)
+  --keep-on-exit-while-daemonset NS/NAME
+                   for a Kubernetes DaemonSet (the Helm chart sets it): on exit,
+                   keep the data path pinned while that DaemonSet exists and is not
+                   being deleted (rolling update, drain: the next pod adopts it);
+                   uninstall when it is gone (helm uninstall) or unreadable
 
 Policy (destination as the application asked for it, before NAT; exclusions
 also match the accepting server's own port and address, after NAT):
@@ -80,6 +94,8 @@ connection; exclude them up front so that no connection is affected.`,
 		"how long a connecting socket whose listener is in the cgroup may wait for its peer to be established before it is left to TCP")
 	f.StringVar(&o.configFile, "config", "", "YAML policy file (include_ports, exclude_ports, include_cidrs, exclude_cidrs); SIGHUP reloads it")
 	f.BoolVar(&o.keepOnExit, "keep-on-exit", false, "leave the data path attached and pinned on exit (for restarts and upgrades)")
+	f.StringVar(&o.keepWhileDS, "keep-on-exit-while-daemonset", "", "namespace/name: keep the data path on exit only while this DaemonSet exists and is not being deleted")
+	f.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig for --keep-on-exit-while-daemonset (default: the pod's service account)")
 	f.StringSliceVar(&o.policy.IncludePorts, "include-ports", nil, "accelerate only these destination ports (e.g. 8080,9000-9010)")
 	f.StringSliceVar(&o.policy.ExcludePorts, "exclude-ports", nil, "never accelerate these destination ports")
 	f.StringSliceVar(&o.policy.IncludeCIDRs, "include-cidrs", nil, "accelerate only these destinations (CIDRs or addresses)")
@@ -112,6 +128,15 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 	if err != nil {
 		return withExit(ExitUsage, fmt.Errorf("invalid policy: %w", err))
 	}
+	var keepWhile func() (bool, string)
+	if o.keepWhileDS != "" {
+		if o.keepOnExit {
+			return usageError("--keep-on-exit and --keep-on-exit-while-daemonset exclude each other: give one")
+		}
+		if keepWhile, err = o.daemonSetCheck(); err != nil {
+			return withExit(ExitUsage, err)
+		}
+	}
 	// Refuse before touching anything when the kernel cannot do it.
 	report := probe.Run(probe.Options{MountBPFFS: true})
 	if err := report.Err(); err != nil {
@@ -134,7 +159,13 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 		return err
 	}
 	stop := func() error {
-		if o.keepOnExit {
+		keep := o.keepOnExit
+		if keepWhile != nil {
+			var why string
+			keep, why = keepWhile()
+			logger.Info("on exit", "keep", keep, "because", why)
+		}
+		if keep {
 			logger.Info("leaving data path attached", "pin_dir", o.pinDir)
 			return agent.Close()
 		}
@@ -154,8 +185,23 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
+	var poll <-chan time.Time
+	lastConfig := readConfig(o.configFile)
+	if o.configFile != "" {
+		t := time.NewTicker(configPollInterval)
+		defer t.Stop()
+		poll = t.C
+	}
 	for {
 		select {
+		case <-poll:
+			if now := readConfig(o.configFile); now != lastConfig {
+				lastConfig = now
+				select { // reload as on SIGHUP (one pending is enough)
+				case hup <- syscall.SIGHUP:
+				default:
+				}
+			}
 		case <-ctx.Done():
 			logger.Info("stopping", "keep_on_exit", o.keepOnExit)
 			return stop()
@@ -173,4 +219,31 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 			logger.Info("policy reloaded", "file", o.configFile)
 		}
 	}
+}
+
+// readConfig returns the policy file's content ("" when unset or unreadable).
+func readConfig(path string) string {
+	if path == "" {
+		return ""
+	}
+	b, _ := os.ReadFile(path)
+	return string(b)
+}
+
+// daemonSetCheck validates --keep-on-exit-while-daemonset and returns the
+// question asked on exit.
+func (o *runOptions) daemonSetCheck() (func() (bool, string), error) {
+	ref, err := kube.ParseDaemonSetRef(o.keepWhileDS)
+	if err != nil {
+		return nil, fmt.Errorf("--keep-on-exit-while-daemonset %w", err)
+	}
+	client, err := kube.Client(o.kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("--keep-on-exit-while-daemonset needs the Kubernetes API (in a pod: a service account; else --kubeconfig): %w", err)
+	}
+	return func() (bool, string) {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		return kube.DaemonSetStays(ctx, client, ref)
+	}, nil
 }

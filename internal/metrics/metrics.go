@@ -35,6 +35,8 @@ var (
 		"sendmsg calls whose data was redirected to the peer socket.", nil, nil)
 	descPassMsgs = prometheus.NewDesc("meshwarp_accel_passthrough_messages_total",
 		"Messages of tracked sockets sent through the normal TCP stack, by reason.", []string{"reason"}, nil)
+	descPassBytes = prometheus.NewDesc("meshwarp_accel_passthrough_bytes_total",
+		"Bytes of tracked sockets sent through the normal TCP stack, by reason.", []string{"reason"}, nil)
 	descPassConns = prometheus.NewDesc("meshwarp_accel_passthrough_connections_total",
 		"Connections left to the normal TCP stack, by reason.", []string{"reason"}, nil)
 	descRemoved = prometheus.NewDesc("meshwarp_accel_removed_sockets_total",
@@ -61,7 +63,7 @@ var (
 type accelCollector struct{ read StatsFunc }
 
 func (c accelCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSockets, descRedirBytes, descRedirMsgs, descPassMsgs,
+	for _, d := range []*prometheus.Desc{descSockets, descRedirBytes, descRedirMsgs, descPassMsgs, descPassBytes,
 		descPassConns, descRemoved, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descNATRemaps, descUnfit, descScrapeErr} {
 		ch <- d
 	}
@@ -82,6 +84,7 @@ func (c accelCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descNATRemaps, prometheus.CounterValue, float64(s.NATPortRemaps))
 	for _, r := range accel.ReasonNames() {
 		ch <- prometheus.MustNewConstMetric(descPassMsgs, prometheus.CounterValue, float64(s.PassthroughByReason[r]), r)
+		ch <- prometheus.MustNewConstMetric(descPassBytes, prometheus.CounterValue, float64(s.PassthroughBytesByReason[r]), r)
 		ch <- prometheus.MustNewConstMetric(descPassConns, prometheus.CounterValue, float64(s.PassthroughConnections[r]), r)
 		ch <- prometheus.MustNewConstMetric(descRemoved, prometheus.CounterValue, float64(s.RemovedSockets[r]), r)
 		ch <- prometheus.MustNewConstMetric(descUnfit, prometheus.CounterValue, float64(s.UnfitCalls[r]), r)

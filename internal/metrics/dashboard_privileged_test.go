@@ -1,0 +1,116 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package metrics
+
+import (
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/testutil"
+)
+
+const dashboardFile = "../../deploy/grafana/meshwarp.json"
+
+// dashboard is the part of Grafana's dashboard model the test checks.
+type dashboard struct {
+	Title         string `json:"title"`
+	UID           string `json:"uid"`
+	SchemaVersion int    `json:"schemaVersion"`
+	Templating    struct {
+		List []struct {
+			Name string `json:"name"`
+			Type string `json:"type"`
+		} `json:"list"`
+	} `json:"templating"`
+	Panels []struct {
+		ID      int    `json:"id"`
+		Type    string `json:"type"`
+		Title   string `json:"title"`
+		GridPos struct {
+			H, W, X, Y int
+		} `json:"gridPos"`
+		Targets []struct {
+			RefID string `json:"refId"`
+			Expr  string `json:"expr"`
+		} `json:"targets"`
+	} `json:"panels"`
+}
+
+var metricName = regexp.MustCompile(`\bmeshwarp_[a-z_]+`)
+
+// The dashboard is well formed for the schema version it declares, and every
+// metric its queries use is served by a live agent's /metrics.
+func TestPrivilegedDashboardMetricsExist(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	b, err := os.ReadFile(dashboardFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d dashboard
+	if err := json.Unmarshal(b, &d); err != nil {
+		t.Fatalf("dashboard JSON: %v", err)
+	}
+	if d.SchemaVersion < 36 || d.UID == "" || d.Title == "" || len(d.Panels) == 0 {
+		t.Fatalf("dashboard header: schemaVersion %d (want >= 36, the version its panel model follows), uid %q, title %q, %d panels",
+			d.SchemaVersion, d.UID, d.Title, len(d.Panels))
+	}
+	vars := map[string]bool{}
+	for _, v := range d.Templating.List {
+		vars[v.Name] = true
+	}
+	var used []string
+	ids := map[int]bool{}
+	for _, p := range d.Panels {
+		if ids[p.ID] || p.Type == "" || p.Title == "" || p.GridPos.W == 0 || p.GridPos.H == 0 || p.GridPos.X+p.GridPos.W > 24 || len(p.Targets) == 0 {
+			t.Errorf("panel %d %q: duplicate id, no type/title, no target or off the 24-column grid: %+v", p.ID, p.Title, p)
+		}
+		ids[p.ID] = true
+		for _, tg := range p.Targets {
+			if tg.RefID == "" || tg.Expr == "" {
+				t.Errorf("panel %q: target without refId or expr", p.Title)
+			}
+			for _, v := range regexp.MustCompile(`\$(\w+)`).FindAllStringSubmatch(tg.Expr, -1) {
+				if !vars[v[1]] && !strings.HasPrefix(v[1], "__") {
+					t.Errorf("panel %q uses $%s, which the dashboard does not define", p.Title, v[1])
+				}
+			}
+			used = append(used, metricName.FindAllString(tg.Expr, -1)...)
+		}
+	}
+	slices.Sort(used)
+	used = slices.Compact(used)
+
+	a, err := accel.Start(accel.Config{CgroupPath: testutil.EnterCgroup(t), PinDir: testutil.PinDir(t)}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Uninstall()
+	srv := httptest.NewServer(Handler(a.Stats))
+	defer srv.Close()
+	resp, err := http.Get(srv.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("parse /metrics: %v", err)
+	}
+	for _, name := range used {
+		if _, ok := families[name]; !ok {
+			t.Errorf("the dashboard queries %s, which the agent does not export", name)
+		}
+	}
+	t.Logf("%d panels, %d metrics, all exported", len(d.Panels), len(used))
+}
