@@ -6,7 +6,7 @@ set -euo pipefail
 
 pkgs=(clang llvm libbpf-dev bpftool iproute2 iptables procps haproxy qperf)
 if [[ "${1:-}" == "--test" ]]; then
-	pkgs+=(chromium podman runc)
+	pkgs+=(chromium podman runc tshark)
 fi
 
 missing=()

@@ -671,6 +671,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	conn.active_cookie = bpf_get_socket_cookie(skops);
 	conn.active_sk = (__u64)(unsigned long)sk;
 	conn.active_local = t.local;
+	conn.active_remote = t.remote;
 	conn.state = MW_CONN_PENDING;
 	conn.active_is_sidecar = socket_uid(sk) == sidecar_uid;
 
@@ -1013,8 +1014,137 @@ static __always_inline void decide(struct mw_sk_state *st, struct bpf_sock *sk)
 	st->reason = c->reason;
 }
 
-SEC("sk_msg")
-int mw_skmsg(struct sk_msg_md *msg)
+#ifdef MW_TAP
+/*
+ * The tap (built only into bpf/tap/tap.bpf.c's object): `meshwarp tap`
+ * swaps mw_skmsg_tap into the sk_msg link while it runs and swaps mw_skmsg
+ * back, so the agent's program never pays for it. Its settings are
+ * constants of the tap's own load.
+ */
+const volatile __u32 tap_snaplen;
+const volatile __u32 tap_port;  /* 0: every port; else one end's port */
+const volatile __u64 tap_netns; /* 0: every namespace; else the sender's netns cookie */
+
+#define MW_TAP_MAX 65536
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 16 << 20);
+} mw_tap_ring SEC(".maps");
+
+struct mw_tap_buf {
+	struct mw_tap_rec rec;
+	__u8 data[MW_TAP_MAX];
+};
+
+/* One buffer per CPU (a per-CPU map value may not exceed 32 KiB); the loader sizes it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mw_tap_buf);
+} mw_tap_scratch SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mw_tap_stats);
+} mw_tap_counters SEC(".maps");
+
+static __always_inline void msg_endpoints(struct sk_msg_md *msg, struct mw_endpoint *local, struct mw_endpoint *remote)
+{
+	/* Single volatile loads at fixed offsets (see sockops_tuple). */
+	__u32 family = CTX_READ(msg->family);
+	__u32 lip4 = CTX_READ(msg->local_ip4), rip4 = CTX_READ(msg->remote_ip4);
+	__u32 l0 = CTX_READ(msg->local_ip6[0]), l1 = CTX_READ(msg->local_ip6[1]);
+	__u32 l2 = CTX_READ(msg->local_ip6[2]), l3 = CTX_READ(msg->local_ip6[3]);
+	__u32 r0 = CTX_READ(msg->remote_ip6[0]), r1 = CTX_READ(msg->remote_ip6[1]);
+	__u32 r2 = CTX_READ(msg->remote_ip6[2]), r3 = CTX_READ(msg->remote_ip6[3]);
+	__u32 lport = CTX_READ(msg->local_port);
+	__u32 rport = bpf_ntohl(CTX_READ(msg->remote_port)) & 0xffff;
+
+	if (family == AF_INET) {
+		set_v4_mapped(local->addr, lip4);
+		set_v4_mapped(remote->addr, rip4);
+	} else {
+		local->addr[0] = l0;
+		local->addr[1] = l1;
+		local->addr[2] = l2;
+		local->addr[3] = l3;
+		remote->addr[0] = r0;
+		remote->addr[1] = r1;
+		remote->addr[2] = r2;
+		remote->addr[3] = r3;
+	}
+	local->port_host = lport;
+	remote->port_host = rport;
+}
+
+static __always_inline void tap_record(struct sk_msg_md *msg, struct mw_sk_state *st, __u32 size)
+{
+	__u32 zero = 0, cpu = bpf_get_smp_processor_id(), caplen = size;
+	struct mw_tap_stats *ts = bpf_map_lookup_elem(&mw_tap_counters, &zero);
+	struct mw_tap_buf *b = bpf_map_lookup_elem(&mw_tap_scratch, &cpu);
+	struct mw_endpoint local = {}, remote = {};
+	struct mw_conn_id id = st->peer.conn;
+	struct mw_conn *c;
+	bool active = st->role == MW_ROLE_ACTIVE;
+
+	if (!ts || !b)
+		return;
+	if (tap_netns && bpf_get_netns_cookie(msg) != tap_netns)
+		return;
+	/* One tuple per connection: the connecting side's view. */
+	c = bpf_map_lookup_elem(&mw_conns, &id);
+	if (c) {
+		b->rec.src = active ? c->active_local : c->active_remote;
+		b->rec.dst = active ? c->active_remote : c->active_local;
+	} else {
+		msg_endpoints(msg, &local, &remote);
+		b->rec.src = local;
+		b->rec.dst = remote;
+	}
+	if (tap_port && b->rec.src.port_host != tap_port && b->rec.dst.port_host != tap_port)
+		return;
+	if (caplen > tap_snaplen)
+		caplen = tap_snaplen;
+	if (caplen > MW_TAP_MAX)
+		caplen = MW_TAP_MAX;
+	if (caplen < size)
+		ts->cut++;
+	if (caplen && bpf_msg_pull_data(msg, 0, caplen, 0) == 0) {
+		void *data = (void *)(long)msg->data;
+		void *end = (void *)(long)msg->data_end;
+
+		if (data + caplen > end)
+			caplen = end - data;
+		caplen &= MW_TAP_MAX - 1 | MW_TAP_MAX;
+		if (caplen > MW_TAP_MAX)
+			caplen = MW_TAP_MAX;
+		if (bpf_probe_read_kernel(b->data, caplen, data))
+			caplen = 0;
+	} else {
+		caplen = 0;
+	}
+	b->rec.ts_ns = bpf_ktime_get_ns();
+	b->rec.offset = st->sent;
+	b->rec.sender_isn1 = active ? id.active_isn1 : id.passive_isn1;
+	b->rec.peer_isn1 = active ? id.passive_isn1 : id.active_isn1;
+	b->rec.size = size;
+	b->rec.caplen = caplen;
+	b->rec.hop = st->hop;
+	b->rec.from_active = active;
+	if (bpf_ringbuf_output(&mw_tap_ring, b, sizeof(b->rec) + (caplen & (MW_TAP_MAX * 2 - 1)), 0))
+		ts->ring_full++;
+	else
+		ts->records++;
+}
+#else
+static __always_inline void tap_record(struct sk_msg_md *msg, struct mw_sk_state *st, __u32 size) {}
+#endif
+
+static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 {
 	__u32 size = msg->size;
 	struct bpf_sock *sk = msg->sk;
@@ -1059,6 +1189,9 @@ int mw_skmsg(struct sk_msg_md *msg)
 			st->reason = MW_REASON_BACKPRESSURE;
 			count_conn(MW_REASON_BACKPRESSURE);
 		} else if (bpf_msg_redirect_hash(msg, &mw_sock_hash, &st->peer, BPF_F_INGRESS) == SK_PASS) {
+			if (tap)
+				tap_record(msg, st, size);
+			st->sent += size;
 			if (cnt) {
 				cnt->redirected_msgs++;
 				cnt->redirected_bytes += size;
@@ -1084,6 +1217,20 @@ int mw_skmsg(struct sk_msg_md *msg)
 	}
 	return SK_PASS;
 }
+
+SEC("sk_msg")
+int mw_skmsg(struct sk_msg_md *msg)
+{
+	return skmsg(msg, false);
+}
+
+#ifdef MW_TAP
+SEC("sk_msg")
+int mw_skmsg_tap(struct sk_msg_md *msg)
+{
+	return skmsg(msg, true);
+}
+#endif
 
 #define MW_S_IFMT 00170000
 #define MW_S_IFSOCK 0140000

@@ -121,6 +121,7 @@ struct mw_conn {
 	struct bpf_timer unpaired_timer;
 	__u64 active_cookie;
 	struct mw_endpoint active_local; /* what the passive side must see as its remote */
+	struct mw_endpoint active_remote; /* the destination the application dialled (the tap's tuple) */
 	__u32 state;                     /* enum mw_conn_state; changed only by cmpxchg */
 	/* Typed as the enums (4 bytes each) so they reach BTF: Go reads their names there. */
 	enum mw_reason reason;           /* when PASSTHROUGH */
@@ -138,6 +139,31 @@ struct mw_conn {
 	__u64 passive_sk;
 };
 
+/*
+ * One redirected message as `meshwarp tap` sees it (mw_tap_ring), followed
+ * by caplen payload bytes. Addresses are the connecting socket's view of the
+ * connection for both directions, so both form one stream.
+ */
+struct mw_tap_rec {
+	__u64 ts_ns;       /* bpf_ktime_get_ns */
+	__u64 offset;      /* the sender's stream offset of the first byte */
+	__u32 sender_isn1; /* the sender's initial sequence number + 1 */
+	__u32 peer_isn1;   /* the receiver's */
+	__u32 size;        /* bytes in the message */
+	__u32 caplen;      /* bytes copied (snaplen) */
+	__u32 hop;         /* enum mw_hop */
+	__u32 from_active; /* sent by the connecting side */
+	struct mw_endpoint src;
+	struct mw_endpoint dst;
+};
+
+/* Tap counters (per CPU, the tap's own map). */
+struct mw_tap_stats {
+	__u64 records;
+	__u64 ring_full; /* messages not recorded: the reader fell behind */
+	__u64 cut;       /* messages longer than the snaplen (recorded cut) */
+};
+
 /* Per-socket state (sk_storage), freed by the kernel with the socket. */
 struct mw_sk_state {
 	struct mw_sock_key peer; /* where this socket's bytes go when paired */
@@ -149,6 +175,7 @@ struct mw_sk_state {
 	__u32 paired;    /* counted in sockets_paired; sticks when decision later changes */
 	__u32 _pad;
 	__u64 peer_sk;   /* the peer's struct sock address (see struct mw_conn) */
+	__u64 sent;      /* bytes this socket redirected: its stream offset (the tap's sequence numbers) */
 };
 
 /* Counters, one copy per CPU (summed by Go). Cumulative. */

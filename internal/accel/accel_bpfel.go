@@ -32,11 +32,13 @@ type accelMwConn struct {
 	}
 	ActiveCookie    uint64
 	ActiveLocal     accelMwEndpoint
+	ActiveRemote    accelMwEndpoint
 	State           uint32
 	Reason          accelMwReason
 	Hop             accelMwHop
 	ActiveIsSidecar uint32
 	Pad             uint32
+	_               [4]byte
 	ActiveSk        uint64
 	PassiveSk       uint64
 }
@@ -133,6 +135,7 @@ type accelMwSkState struct {
 	Pad      uint32
 	_        [4]byte
 	PeerSk   uint64
+	Sent     uint64
 }
 
 type accelMwSockKey struct {

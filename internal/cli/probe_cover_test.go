@@ -5,18 +5,23 @@ package cli
 import (
 	"testing"
 
+	"github.com/cilium/ebpf"
+
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/probe"
+	"github.com/meshwarp/meshwarp/internal/tap"
 )
 
 // A "ready" probe must mean `meshwarp run` can load its programs: every
 // program type, map type and helper the BPF object uses has a probe check.
 func TestProbeCoversAccelObject(t *testing.T) {
-	spec, err := accel.Spec()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, u := range probe.Uncovered(spec) {
-		t.Errorf("the probe does not check %s: add it to internal/probe/run.go", u)
+	for name, load := range map[string]func() (*ebpf.CollectionSpec, error){"accel": accel.Spec, "tap": tap.Spec} {
+		spec, err := load()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, u := range probe.Uncovered(spec) {
+			t.Errorf("the probe does not check %s (%s object): add it to internal/probe/features.go", u, name)
+		}
 	}
 }

@@ -74,6 +74,7 @@ Start with:
   meshwarp probe          can this kernel accelerate? (names anything missing)
   meshwarp run            attach and serve /metrics (root)
   meshwarp status         what the running agent did
+  meshwarp tap -w F       accelerated traffic as pcapng (tcpdump cannot see it)
   meshwarp lab up         build a node of namespaces with HAProxy sidecars
   meshwarp bench --quick  direct / sidecar / sidecar+meshwarp side by side`,
 		SilenceUsage:  true,
@@ -88,6 +89,7 @@ Start with:
 		newRunCommand(g),
 		newStatusCommand(g),
 		newCleanupCommand(g),
+		newTapCommand(g),
 		newLabCommand(g),
 		newBenchCommand(g),
 		newVersionCommand(),

@@ -101,6 +101,7 @@ var mapTypes = []struct {
 	{"map LRU_HASH", ebpf.LRUHash, "connect and SYN notes, learned ports and processes", configBPF},
 	{"map SK_STORAGE", ebpf.SkStorage, "per-socket pairing state", configBPF},
 	{"map CGROUP_ARRAY", ebpf.CGroupArray, "the cgroup the syscall watches cover", configBPF},
+	{"map RINGBUF", ebpf.RingBuf, "meshwarp tap: redirected messages to user space (Linux 5.8)", configBPF},
 }
 
 func (p *prober) mapTypes() {
@@ -127,6 +128,9 @@ var helpers = []struct {
 	{ebpf.SkMsg, "sk_msg", asm.FnMsgRedirectHash, "bpf_msg_redirect_hash", "the redirect itself", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnSkStorageGet, "bpf_sk_storage_get", "per-socket decision cache", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnSkcToTcpSock, "bpf_skc_to_tcp_sock", "sees bytes written before pairing (early_data)", configBTF},
+	{ebpf.SkMsg, "sk_msg", asm.FnMsgPullData, "bpf_msg_pull_data", "meshwarp tap: reads the message payload", configSockMsg},
+	{ebpf.SkMsg, "sk_msg", asm.FnRingbufOutput, "bpf_ringbuf_output", "meshwarp tap: hands messages to user space", configSockMsg},
+	{ebpf.SkMsg, "sk_msg", asm.FnGetNetnsCookie, "bpf_get_netns_cookie", "meshwarp tap --pod/--netns", configSockMsg},
 	{ebpf.TracePoint, "tracepoint", asm.FnProbeReadUser, "bpf_probe_read_user", "reads the value of setsockopt(SO_RCVLOWAT) (syscall watch)", configTrace},
 }
 
@@ -136,6 +140,7 @@ var baseHelpers = map[asm.BuiltinFunc]bool{
 	asm.FnMapLookupElem: true, asm.FnMapUpdateElem: true, asm.FnMapDeleteElem: true,
 	asm.FnKtimeGetNs: true, asm.FnGetCurrentPidTgid: true, asm.FnGetCurrentComm: true,
 	asm.FnGetCurrentTask: true, asm.FnProbeReadKernel: true, asm.FnCurrentTaskUnderCgroup: true,
+	asm.FnGetSmpProcessorId: true,
 	// Checked through bpf_timer_init: the timer helpers came together (5.15).
 	asm.FnTimerSetCallback: true, asm.FnTimerStart: true,
 }

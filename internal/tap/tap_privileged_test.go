@@ -1,0 +1,161 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package tap
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/testutil"
+)
+
+// tshark runs tshark on file with the given arguments.
+func tshark(t *testing.T, file string, args ...string) string {
+	t.Helper()
+	cmd := exec.Command("tshark", append([]string{"-r", file}, args...)...)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("tshark %v: %v\n%s", args, err, stderr.String())
+	}
+	return string(out)
+}
+
+// startTap runs Run in the background until the returned stop is called.
+func startTap(t *testing.T, o Options) (stop func() Result) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	var res Result
+	var err error
+	go func() {
+		defer close(done)
+		res, err = Run(ctx, o)
+	}()
+	// Wait until the tap program is in the agent's link.
+	deadline := time.Now().Add(10 * time.Second)
+	for !tapAttached(t, o.PinDir) {
+		if time.Now().After(deadline) {
+			cancel()
+			<-done
+			t.Fatalf("tap never attached: %v", err)
+		}
+		time.Sleep(5 * time.Millisecond) // polling interval
+	}
+	return func() Result {
+		cancel()
+		<-done
+		if err != nil {
+			t.Fatalf("tap: %v", err)
+		}
+		return res
+	}
+}
+
+// HTTP through paired connections while tapping: tshark finds every request
+// and response, with clean stream reassembly, for IPv4, IPv6 and an IPv4
+// client of a dual-stack listener. After the tap, the agent runs its own
+// program again.
+func TestPrivilegedTapHTTP(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	pinDir := testutil.PinDir(t)
+	a, err := accel.Start(accel.Config{CgroupPath: testutil.EnterCgroup(t), PinDir: pinDir}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Uninstall()
+	for _, tc := range []struct{ name, network, listen, dial string }{
+		{"ipv4", "tcp4", "127.0.0.1:0", "127.0.0.1"},
+		{"ipv6", "tcp6", "[::1]:0", "::1"},
+		{"v4-mapped", "tcp", "[::]:0", "127.0.0.1"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ln, err := net.Listen(tc.network, tc.listen)
+			if err != nil {
+				t.Fatal(err)
+			}
+			srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				io.Copy(io.Discard, r.Body)
+				fmt.Fprintf(w, "reply to %s %s", r.Method, strings.Repeat("x", 2000))
+			})}
+			go srv.Serve(ln)
+			defer srv.Close()
+			port := ln.Addr().(*net.TCPAddr).Port
+			file := filepath.Join(t.TempDir(), "tap.pcapng")
+			f, err := os.Create(file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			stop := startTap(t, Options{PinDir: pinDir, Port: uint16(port), Snaplen: DefaultSnaplen, Out: f})
+
+			const conns, perConn = 5, 10
+			before, _ := a.Stats()
+			for c := range conns {
+				client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1}}
+				for i := range perConn {
+					url := fmt.Sprintf("http://%s/req-%d-%d", net.JoinHostPort(tc.dial, fmt.Sprint(port)), c, i)
+					resp, err := client.Post(url, "text/plain", strings.NewReader(strings.Repeat("b", 300)))
+					if err != nil {
+						t.Fatal(err)
+					}
+					io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+				client.CloseIdleConnections()
+			}
+			after, _ := a.Stats()
+			res := stop()
+			f.Close()
+			if d := after.Sub(before); d.PairedSockets != 2*conns {
+				t.Fatalf("%d sockets paired, want %d: the tap would not see every request", d.PairedSockets, 2*conns)
+			}
+			t.Logf("tap: %+v", res)
+			if res.RingFull != 0 || res.Cut != 0 {
+				t.Fatalf("drops: %+v", res)
+			}
+			uris := strings.Fields(tshark(t, file, "-Y", "http.request", "-T", "fields", "-e", "http.request.uri"))
+			codes := strings.Fields(tshark(t, file, "-Y", "http.response", "-T", "fields", "-e", "http.response.code"))
+			if len(uris) != conns*perConn || len(codes) != conns*perConn {
+				t.Fatalf("tshark found %d requests and %d responses, want %d each:\n%s", len(uris), len(codes), conns*perConn,
+					tshark(t, file, "-Y", "http"))
+			}
+			for c := range conns {
+				for i := range perConn {
+					if !strings.Contains(strings.Join(uris, " "), fmt.Sprintf("/req-%d-%d", c, i)) {
+						t.Fatalf("request /req-%d-%d missing", c, i)
+					}
+				}
+			}
+			if bad := tshark(t, file, "-Y", "tcp.analysis.lost_segment || tcp.analysis.retransmission || tcp.analysis.out_of_order || tcp.analysis.ack_lost_segment"); strings.TrimSpace(bad) != "" {
+				t.Fatalf("stream analysis flags:\n%s", bad)
+			}
+			if n := strings.Count(tshark(t, file, "-Y", "tcp.flags.syn == 1 && tcp.flags.ack == 0"), "\n"); n != conns {
+				t.Fatalf("%d handshakes, want %d", n, conns)
+			}
+		})
+	}
+	if tapAttached(t, pinDir) {
+		t.Fatal("the tap program is still in the agent's link after the tap ended")
+	}
+}
+
+// tapAttached reports whether the agent's sk_msg link runs the tap program.
+func tapAttached(t *testing.T, pinDir string) bool {
+	t.Helper()
+	name, err := LinkProgram(pinDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return name == "mw_skmsg_tap"
+}
