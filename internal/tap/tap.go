@@ -178,6 +178,10 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 			if draining {
 				break
 			}
+			// Idle: hand what was written to a reader on a pipe (tshark -r -).
+			if err := w.ng.Flush(); err != nil {
+				return res, fmt.Errorf("write pcapng: %w", err)
+			}
 			if o.Progress != nil && time.Since(lastProgress) > 5*time.Second {
 				fmt.Fprintf(o.Progress, "tap: %d messages, %d packets so far\n", res.Messages, res.Packets)
 				lastProgress = time.Now()
