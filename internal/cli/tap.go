@@ -51,12 +51,6 @@ exit (also on Ctrl-C).`,
 					return usageError("--pod %s: no network namespace %s (ip netns list shows the names; lab pods are meshwarp-pod-0, meshwarp-pod-1)", pod, o.Netns)
 				}
 			}
-			if o.Count < 0 || o.Duration < 0 {
-				return usageError("--count and --duration must not be negative")
-			}
-			if o.Snaplen <= 0 || o.Snaplen > tap.DefaultSnaplen {
-				return usageError("--snaplen %d: give 1..%d bytes", o.Snaplen, tap.DefaultSnaplen)
-			}
 			o.Port = port
 			var w io.Writer
 			switch out {
@@ -79,8 +73,11 @@ exit (also on Ctrl-C).`,
 			if err != nil && res.Messages == 0 && out != "-" {
 				os.Remove(out) // nothing was captured: leave no empty file behind
 			}
-			if errors.Is(err, tap.ErrNoAgent) {
+			switch {
+			case errors.Is(err, tap.ErrNoAgent):
 				return withExit(ExitNotReady, err)
+			case errors.Is(err, tap.ErrBadOptions):
+				return withExit(ExitUsage, err)
 			}
 			return err
 		},

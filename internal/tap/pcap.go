@@ -29,8 +29,8 @@ type pcapWriter struct {
 	hops      []string
 }
 
-// connState is what the writer knows of one connection: whether its
-// handshake was written, and how far each direction's stream got.
+// connState is what the writer knows of one connection: how far each
+// direction's stream got (for the acknowledgement numbers).
 type connState struct {
 	next map[uint32]uint32 // sender ISN+1 -> next sequence number
 }

@@ -50,8 +50,12 @@ type Result struct {
 	Cut      uint64 `json:"cut_by_snaplen"`    // messages written shorter than they were
 }
 
-// ErrNoAgent: nothing to tap.
-var ErrNoAgent = errors.New("no meshwarp agent is attached")
+var (
+	// ErrNoAgent: nothing to tap.
+	ErrNoAgent = errors.New("no meshwarp agent is attached")
+	// ErrBadOptions: the options cannot work; nothing was attached.
+	ErrBadOptions = errors.New("bad tap options")
+)
 
 const skmsgLinkPin = "mw_skmsg_link"
 
@@ -62,7 +66,10 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 		o.PinDir = accel.DefaultPinDir
 	}
 	if o.Snaplen <= 0 || o.Snaplen > DefaultSnaplen {
-		return res, fmt.Errorf("snaplen %d: give 1..%d bytes", o.Snaplen, DefaultSnaplen)
+		return res, fmt.Errorf("%w: --snaplen %d: give 1..%d bytes", ErrBadOptions, o.Snaplen, DefaultSnaplen)
+	}
+	if o.Count < 0 || o.Duration < 0 {
+		return res, fmt.Errorf("%w: --count and --duration must not be negative", ErrBadOptions)
 	}
 	linkPin := filepath.Join(o.PinDir, skmsgLinkPin)
 	if _, err := os.Stat(linkPin); err != nil {
