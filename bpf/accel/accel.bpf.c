@@ -954,18 +954,25 @@ int mw_sockops(struct bpf_sock_ops *skops)
  * take a reference on the peer (no bpf_sk_release here), so the address
  * recorded at pairing is read with fault-free probe reads.
  */
+static __always_inline struct sk_psock *psock_of(struct sock *sk)
+{
+	/* The low bits of sk_user_data are flags (SK_USER_DATA_PTRMASK). */
+	__u64 user_data = (__u64)BPF_CORE_READ(sk, sk_user_data) & ~(__u64)MW_SK_USER_DATA_FLAGS;
+
+	return (struct sk_psock *)user_data;
+}
+
+/* Redirected bytes waiting unread in sk's psock (0 without one). */
+static __always_inline __u32 redirect_backlog(struct sock *sk)
+{
+	struct sk_psock *psock = psock_of(sk);
+
+	return psock ? BPF_CORE_READ(psock, msg_tot_len) : 0;
+}
+
 static __always_inline __u32 peer_backlog(__u64 peer_sk)
 {
-	__u64 user_data;
-
-	if (!peer_sk)
-		return 0;
-	user_data = (__u64)BPF_CORE_READ((struct sock *)peer_sk, sk_user_data);
-	/* The low bits of sk_user_data are flags (SK_USER_DATA_PTRMASK). */
-	user_data &= ~(__u64)MW_SK_USER_DATA_FLAGS;
-	if (!user_data)
-		return 0;
-	return BPF_CORE_READ((struct sk_psock *)user_data, msg_tot_len);
+	return peer_sk ? redirect_backlog((struct sock *)peer_sk) : 0;
 }
 
 /* Decide once per socket, on its first message; cache the answer in sk_storage. */
@@ -1265,9 +1272,7 @@ static __always_inline struct sock *fd_socket(long fd)
 /* Whether sk is in a sockmap (has a psock): only then does a redirect apply. */
 static __always_inline bool in_sockmap(struct sock *sk)
 {
-	__u64 user_data = (__u64)BPF_CORE_READ(sk, sk_user_data);
-
-	return (user_data & ~(__u64)MW_SK_USER_DATA_FLAGS) != 0;
+	return psock_of(sk) != NULL;
 }
 
 /*
@@ -1436,15 +1441,11 @@ SEC("tracepoint/syscalls/sys_enter_close")
 int mw_close_watch(struct trace_event_raw_sys_enter *ctx)
 {
 	struct sock *sk;
-	__u64 user_data;
 
 	if (bpf_current_task_under_cgroup(&mw_cgroup, 0) != 1)
 		return 0;
 	sk = fd_socket(ctx->args[0]);
-	if (!sk)
-		return 0;
-	user_data = (__u64)BPF_CORE_READ(sk, sk_user_data) & ~(__u64)MW_SK_USER_DATA_FLAGS;
-	if (user_data && BPF_CORE_READ((struct sk_psock *)user_data, msg_tot_len) > 0)
+	if (sk && redirect_backlog(sk) > 0)
 		learn_unfit(sk, MW_REASON_UNREAD_CLOSE);
 	return 0;
 }

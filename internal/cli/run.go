@@ -185,6 +185,17 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
+	reload := func() {
+		p, err := o.loadPolicy()
+		if err == nil {
+			err = agent.ApplyPolicy(p)
+		}
+		if err != nil {
+			logger.Error("policy reload failed; keeping the previous policy", "err", err)
+			return
+		}
+		logger.Info("policy reloaded", "file", o.configFile)
+	}
 	var poll <-chan time.Time
 	lastConfig := readConfig(o.configFile)
 	if o.configFile != "" {
@@ -197,10 +208,7 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 		case <-poll:
 			if now := readConfig(o.configFile); now != lastConfig {
 				lastConfig = now
-				select { // reload as on SIGHUP (one pending is enough)
-				case hup <- syscall.SIGHUP:
-				default:
-				}
+				reload()
 			}
 		case <-ctx.Done():
 			logger.Info("stopping", "keep_on_exit", o.keepOnExit)
@@ -208,15 +216,7 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 		case err := <-served:
 			return errors.Join(fmt.Errorf("metrics server: %w", err), stop())
 		case <-hup:
-			p, err := o.loadPolicy()
-			if err == nil {
-				err = agent.ApplyPolicy(p)
-			}
-			if err != nil {
-				logger.Error("policy reload failed; keeping the previous policy", "err", err)
-				continue
-			}
-			logger.Info("policy reloaded", "file", o.configFile)
+			reload()
 		}
 	}
 }

@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -95,16 +94,7 @@ func TestPrivilegedTapThroughSidecars(t *testing.T) {
 		t.Fatalf("tap dropped or cut messages: %+v", out.res)
 	}
 
-	run := func(args ...string) string {
-		cmd := exec.Command("tshark", append([]string{"-r", file}, args...)...)
-		var stderr strings.Builder
-		cmd.Stderr = &stderr
-		b, err := cmd.Output()
-		if err != nil {
-			t.Fatalf("tshark %v: %v\n%s", args, err, stderr.String())
-		}
-		return string(b)
-	}
+	run := func(args ...string) string { return testutil.Tshark(t, file, args...) }
 	uris := strings.Fields(run("-Y", "http.request", "-T", "fields", "-e", "http.request.uri"))
 	codes := strings.Fields(run("-Y", "http.response", "-T", "fields", "-e", "http.response.code"))
 	const hops = 3

@@ -9,7 +9,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -18,19 +17,6 @@ import (
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
-
-// tshark runs tshark on file with the given arguments.
-func tshark(t *testing.T, file string, args ...string) string {
-	t.Helper()
-	cmd := exec.Command("tshark", append([]string{"-r", file}, args...)...)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("tshark %v: %v\n%s", args, err, stderr.String())
-	}
-	return string(out)
-}
 
 // startTap runs Run in the background until the returned stop is called.
 func startTap(t *testing.T, o Options) (stop func() Result) {
@@ -124,11 +110,11 @@ func TestPrivilegedTapHTTP(t *testing.T) {
 			if res.RingFull != 0 || res.Cut != 0 {
 				t.Fatalf("drops: %+v", res)
 			}
-			uris := strings.Fields(tshark(t, file, "-Y", "http.request", "-T", "fields", "-e", "http.request.uri"))
-			codes := strings.Fields(tshark(t, file, "-Y", "http.response", "-T", "fields", "-e", "http.response.code"))
+			uris := strings.Fields(testutil.Tshark(t, file, "-Y", "http.request", "-T", "fields", "-e", "http.request.uri"))
+			codes := strings.Fields(testutil.Tshark(t, file, "-Y", "http.response", "-T", "fields", "-e", "http.response.code"))
 			if len(uris) != conns*perConn || len(codes) != conns*perConn {
 				t.Fatalf("tshark found %d requests and %d responses, want %d each:\n%s", len(uris), len(codes), conns*perConn,
-					tshark(t, file, "-Y", "http"))
+					testutil.Tshark(t, file, "-Y", "http"))
 			}
 			for c := range conns {
 				for i := range perConn {
@@ -137,10 +123,10 @@ func TestPrivilegedTapHTTP(t *testing.T) {
 					}
 				}
 			}
-			if bad := tshark(t, file, "-Y", "tcp.analysis.lost_segment || tcp.analysis.retransmission || tcp.analysis.out_of_order || tcp.analysis.ack_lost_segment"); strings.TrimSpace(bad) != "" {
+			if bad := testutil.Tshark(t, file, "-Y", "tcp.analysis.lost_segment || tcp.analysis.retransmission || tcp.analysis.out_of_order || tcp.analysis.ack_lost_segment"); strings.TrimSpace(bad) != "" {
 				t.Fatalf("stream analysis flags:\n%s", bad)
 			}
-			if n := strings.Count(tshark(t, file, "-Y", "tcp.flags.syn == 1 && tcp.flags.ack == 0"), "\n"); n != conns {
+			if n := strings.Count(testutil.Tshark(t, file, "-Y", "tcp.flags.syn == 1 && tcp.flags.ack == 0"), "\n"); n != conns {
 				t.Fatalf("%d handshakes, want %d", n, conns)
 			}
 		})

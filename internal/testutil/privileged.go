@@ -233,3 +233,17 @@ func (s *SyncBuffer) String() string {
 	defer s.mu.Unlock()
 	return s.b.String()
 }
+
+// Tshark reads a capture file with tshark and returns its standard output
+// (tshark's notes on stderr are kept out of it).
+func Tshark(t testing.TB, file string, args ...string) string {
+	t.Helper()
+	cmd := exec.Command("tshark", append([]string{"-r", file}, args...)...)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("tshark %v: %v\n%s", args, err, stderr.String())
+	}
+	return string(out)
+}
