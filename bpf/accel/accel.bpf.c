@@ -82,6 +82,15 @@ const volatile __u32 inbound_capture_port;
 const volatile __u64 unpaired_timeout_ns;
 /* Unread redirected bytes a receiver may hold before its sender falls back to TCP. */
 const volatile __u32 redirect_budget_bytes;
+/*
+ * A small-message stream: stream_run_msgs messages one way without a message
+ * back, averaging fewer bytes than the path's threshold. The redirect pays a
+ * queued message and a wakeup per write where TCP coalesces small writes,
+ * so such a connection continues on TCP. 0 turns the detection off.
+ */
+const volatile __u32 stream_run_msgs;
+const volatile __u32 stream_small_bytes_local;  /* both ends in one netns (loopback) */
+const volatile __u32 stream_small_bytes_remote; /* across namespaces (veth) */
 /* An answered SYN older than this is stale (a SYN-ACK round trip on one node is far shorter). */
 #define MW_SYN_HINT_TTL_NS (1000ULL * 1000 * 1000)
 /* A connect older than this is not in flight any more (SYN retransmits come at 1 s and 3 s). */
@@ -90,6 +99,7 @@ const volatile __u32 redirect_budget_bytes;
 #define CLOCK_MONOTONIC 1
 /* SK_USER_DATA_NOCOPY | SK_USER_DATA_BPF | SK_USER_DATA_PSOCK (include/net/sock.h) */
 #define MW_SK_USER_DATA_FLAGS 7
+#define MW_SK_USER_DATA_PSOCK 4
 #define EBUSY 16
 
 /* Capacity is set by the loader (MaxEntries); this is the default. */
@@ -481,6 +491,21 @@ static __always_inline void want_state_cb(struct bpf_sock_ops *skops, __u32 flag
 		bpf_sock_ops_cb_flags_set(skops, flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 }
 
+/*
+ * For a socket in mw_sock_hash: STATE_CB (the close) and WRITE_HDR_OPT_CB, a
+ * callback (HDR_OPT_LEN_CB) for each TCP packet the socket sends, where it
+ * leaves mw_sock_hash once its connection went to TCP (on_leave_check). A
+ * paired connection sends no TCP packets while it redirects, so this costs
+ * nothing until then.
+ */
+#define MW_CB_FLAGS (BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG)
+
+static __always_inline void want_callbacks(struct bpf_sock_ops *skops, __u32 flags)
+{
+	if ((flags & MW_CB_FLAGS) != MW_CB_FLAGS)
+		bpf_sock_ops_cb_flags_set(skops, flags | MW_CB_FLAGS);
+}
+
 /* One fewer connect from this address waits for its SYN to be answered. */
 static __always_inline void src_addr_settled(struct mw_src_addr *h)
 {
@@ -674,6 +699,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	conn.active_remote = t.remote;
 	conn.state = MW_CONN_PENDING;
 	conn.active_is_sidecar = socket_uid(sk) == sidecar_uid;
+	conn.active_netns = bpf_get_netns_cookie(skops);
 
 	err = bpf_map_update_elem(&mw_conns, &id, &conn, BPF_NOEXIST);
 	if (err) {
@@ -697,7 +723,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	st->owns_conn = 1;
 	st->peer.conn = id;
 	/* STATE_CB lets us drop the mw_conns entry when this socket closes. */
-	want_state_cb(skops, cb_flags);
+	want_callbacks(skops, cb_flags);
 	c = bpf_map_lookup_elem(&mw_conns, &id);
 	if (!c)
 		return; /* cannot happen: this socket's close is the only delete */
@@ -841,6 +867,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	hop = classify_hop(t.local.port_host, c);
 	c->hop = hop;
 	c->passive_sk = (__u64)(unsigned long)sk;
+	c->same_netns = bpf_get_netns_cookie(skops) == c->active_netns;
 	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PAIRED) != MW_CONN_PENDING) {
 		/*
 		 * The active side sent its first byte by TCP (or timed out) since
@@ -856,9 +883,9 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	st->peer.role = MW_ROLE_ACTIVE;
 	st->peer_sk = c->active_sk;
 	st->hop = hop;
-	st->decision = MW_CONN_PAIRED;
+	/* The decision (and this side's direction) is claimed on the first message. */
 	st->paired = 1;
-	want_state_cb(skops, cb_flags);
+	want_callbacks(skops, cb_flags);
 
 	cnt = counters();
 	if (cnt) {
@@ -868,6 +895,123 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		if (c->active_local.port_host != t.remote.port_host)
 			cnt->nat_port_remaps++;
 	}
+}
+
+/*
+ * Bytes redirected to the peer socket that it has not read yet: its psock's
+ * msg_tot_len (the queue FIONREAD reports on a paired socket). sk_msg cannot
+ * take a reference on the peer (no bpf_sk_release here), so the address
+ * recorded at pairing is read with fault-free probe reads.
+ */
+static __always_inline struct sk_psock *psock_of(struct sock *sk)
+{
+	/* The low bits of sk_user_data are flags (SK_USER_DATA_PTRMASK). */
+	__u64 user_data = (__u64)BPF_CORE_READ(sk, sk_user_data) & ~(__u64)MW_SK_USER_DATA_FLAGS;
+
+	return (struct sk_psock *)user_data;
+}
+
+/* Redirected bytes waiting unread in sk's psock (0 without one). */
+static __always_inline __u32 redirect_backlog(struct sock *sk)
+{
+	struct sk_psock *psock = psock_of(sk);
+
+	return psock ? BPF_CORE_READ(psock, msg_tot_len) : 0;
+}
+
+static __always_inline __u32 peer_backlog(__u64 peer_sk)
+{
+	return peer_sk ? redirect_backlog((struct sock *)peer_sk) : 0;
+}
+
+/* dir[] index of a role. */
+static __always_inline __u32 dir_index(__u32 role)
+{
+	return role == MW_ROLE_ACTIVE ? 0 : 1;
+}
+
+/*
+ * Nothing the peer redirected can still be on its way to us, nor come later:
+ * its direction is on TCP (its sk_msg program passes from now on) and no
+ * sendmsg of it that decided to redirect is still running. NEVER: it never
+ * redirected. Else every tcp_bpf sendmsg holds a reference on its psock from
+ * start to end (redirect included), so a psock that is gone, or held by
+ * mw_sock_hash alone, has none running. A probe read after the peer was
+ * freed is harmless: a closed peer has no sendmsg running either.
+ */
+static __always_inline bool peer_quiet(const struct mw_conn *c, __u32 peer_dir)
+{
+	__u64 peer = peer_dir == 0 ? c->active_sk : c->passive_sk;
+	__u64 user_data, next;
+	struct sk_psock *psock;
+	__u32 d = c->dir[peer_dir & 1];
+
+	if (d == MW_DIR_NEVER)
+		return true;
+	if (d != MW_DIR_TCP || !peer)
+		return false;
+	user_data = (__u64)BPF_CORE_READ((struct sock *)peer, sk_user_data);
+	if (!(user_data & MW_SK_USER_DATA_PSOCK))
+		return true;
+	psock = (struct sk_psock *)(user_data & ~(__u64)MW_SK_USER_DATA_FLAGS);
+	next = (__u64)BPF_CORE_READ(psock, link.next);
+	/* Linked to a map (not the last reference of a sendmsg after it left). */
+	if (next == (__u64)psock + bpf_core_field_offset(struct sk_psock, link))
+		return false;
+	return BPF_CORE_READ(psock, refcnt.refs.counter) == 1;
+}
+
+/*
+ * HDR_OPT_LEN_CB (the socket sends a TCP packet). A socket whose connection
+ * went to TCP leaves mw_sock_hash, which restores the plain TCP socket
+ * (tcp_sendmsg, native FIONREAD), once that cannot lose a byte: its own
+ * direction passes, the peer is quiet (peer_quiet) and its redirect queue is
+ * empty (the kernel frees what is queued when the psock goes). Until then it
+ * asks again with the next packet. Sockets with nothing left to decide stop
+ * the callbacks.
+ */
+static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bpf_sock *sk, __u32 cb_flags)
+{
+	struct mw_sk_state *st = bpf_sk_storage_get(&mw_sk_store, sk, 0, 0);
+	struct mw_sock_key key;
+	struct mw_counters *cnt;
+	struct tcp_sock *tp;
+	struct mw_conn *c;
+	__u32 me, d;
+
+	if (!st || st->left || !st->role)
+		goto done;
+	c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
+	if (!c || c->state == MW_CONN_PASSTHROUGH)
+		goto done;
+	if (c->state != MW_CONN_PAIRED || !c->to_tcp)
+		return;
+	me = dir_index(st->role);
+	d = c->dir[me];
+	if (d != MW_DIR_TCP && d != MW_DIR_NEVER)
+		return;
+	if (!peer_quiet(c, 1 - me))
+		return;
+	tp = bpf_skc_to_tcp_sock(sk);
+	if (!tp || redirect_backlog((struct sock *)tp))
+		return;
+	key = st->peer;
+	key.role = st->role;
+	if (bpf_map_delete_elem(&mw_sock_hash, &key) == 0) {
+		__u32 reason = c->to_tcp_reason;
+
+		cnt = counters();
+		if (cnt) {
+			cnt->sockets_left++;
+			if (reason < MW_REASON_MAX)
+				cnt->sockets_removed[reason]++;
+		}
+	}
+	st->left = 1;
+	st->paired = 0;
+done:
+	if (cb_flags & BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG)
+		bpf_sock_ops_cb_flags_set(skops, cb_flags & ~BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG);
 }
 
 static __always_inline void on_close(struct bpf_sock *sk)
@@ -885,7 +1029,7 @@ static __always_inline void on_close(struct bpf_sock *sk)
 		struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &id);
 
 		/* The active side may never have sent, so it may not know yet. */
-		if (c && c->state == MW_CONN_PAIRED)
+		if (c && c->state == MW_CONN_PAIRED && !st->left)
 			was_paired = true;
 		/* Deleting the entry also cancels its timer. */
 		bpf_map_delete_elem(&mw_conns, &id);
@@ -936,6 +1080,9 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
 		on_passive_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
 		break;
+	case BPF_SOCK_OPS_HDR_OPT_LEN_CB:
+		on_leave_check(skops, sk, cb_flags);
+		break;
 	case BPF_SOCK_OPS_STATE_CB:
 		if (new_state != BPF_TCP_CLOSE)
 			break;
@@ -946,33 +1093,6 @@ int mw_sockops(struct bpf_sock_ops *skops)
 		break;
 	}
 	return 1;
-}
-
-/*
- * Bytes redirected to the peer socket that it has not read yet: its psock's
- * msg_tot_len (the queue FIONREAD reports on a paired socket). sk_msg cannot
- * take a reference on the peer (no bpf_sk_release here), so the address
- * recorded at pairing is read with fault-free probe reads.
- */
-static __always_inline struct sk_psock *psock_of(struct sock *sk)
-{
-	/* The low bits of sk_user_data are flags (SK_USER_DATA_PTRMASK). */
-	__u64 user_data = (__u64)BPF_CORE_READ(sk, sk_user_data) & ~(__u64)MW_SK_USER_DATA_FLAGS;
-
-	return (struct sk_psock *)user_data;
-}
-
-/* Redirected bytes waiting unread in sk's psock (0 without one). */
-static __always_inline __u32 redirect_backlog(struct sock *sk)
-{
-	struct sk_psock *psock = psock_of(sk);
-
-	return psock ? BPF_CORE_READ(psock, msg_tot_len) : 0;
-}
-
-static __always_inline __u32 peer_backlog(__u64 peer_sk)
-{
-	return peer_sk ? redirect_backlog((struct sock *)peer_sk) : 0;
 }
 
 /* Decide once per socket, on its first message; cache the answer in sk_storage. */
@@ -998,8 +1118,9 @@ static __always_inline void decide(struct mw_sk_state *st, struct bpf_sock *sk)
 		return;
 	}
 	if (!c) {
+		/* The passive side's entry goes when its (active) peer closes. */
 		st->decision = MW_CONN_PASSTHROUGH;
-		st->reason = MW_REASON_NO_PEER;
+		st->reason = st->paired ? MW_REASON_PEER_CLOSED : MW_REASON_NO_PEER;
 		return;
 	}
 	if (c->state == MW_CONN_PENDING) {
@@ -1011,10 +1132,19 @@ static __always_inline void decide(struct mw_sk_state *st, struct bpf_sock *sk)
 		}
 	}
 	if (c->state == MW_CONN_PAIRED) {
-		st->decision = MW_CONN_PAIRED;
-		st->peer_sk = c->passive_sk;
+		__u32 me = dir_index(st->role);
+
+		st->peer_sk = st->role == MW_ROLE_ACTIVE ? c->passive_sk : c->active_sk;
 		st->hop = c->hop;
 		st->paired = 1;
+		/* NEVER: the connection went to TCP before this side sent. */
+		if (__sync_val_compare_and_swap(&c->dir[me], MW_DIR_UNDECIDED, MW_DIR_REDIRECT) ==
+		    MW_DIR_NEVER) {
+			st->decision = MW_CONN_PASSTHROUGH;
+			st->reason = c->to_tcp_reason;
+			return;
+		}
+		st->decision = MW_CONN_PAIRED;
 		return;
 	}
 	st->decision = MW_CONN_PASSTHROUGH;
@@ -1151,12 +1281,59 @@ static __always_inline void tap_record(struct sk_msg_md *msg, struct mw_sk_state
 static __always_inline void tap_record(struct sk_msg_md *msg, struct mw_sk_state *st, __u32 size) {}
 #endif
 
+/*
+ * This side's direction continues on TCP, and with it the whole connection
+ * (the peer switches on its next message, or never redirects at all). Order
+ * holds: the receiver reads its redirect queue (tcp_bpf_recvmsg) before its
+ * TCP queue, and a write that returned had its redirect queued.
+ */
+static __always_inline void to_tcp(struct mw_sk_state *st, struct mw_conn *c, __u32 reason)
+{
+	__u32 me = dir_index(st->role);
+
+	st->decision = MW_CONN_PASSTHROUGH;
+	st->reason = reason;
+	__sync_val_compare_and_swap(&c->dir[me], MW_DIR_REDIRECT, MW_DIR_TCP);
+	if (!c->to_tcp) {
+		c->to_tcp_reason = reason;
+		if (__sync_val_compare_and_swap(&c->to_tcp, 0, 1) == 0)
+			count_conn(reason);
+	}
+	__sync_val_compare_and_swap(&c->dir[1 - me], MW_DIR_UNDECIDED, MW_DIR_NEVER);
+}
+
+/*
+ * Whether this message ends a small-message stream: stream_run_msgs messages
+ * since the peer last sent, averaging below the path's threshold.
+ */
+static __always_inline bool small_stream(struct mw_sk_state *st, struct mw_conn *c, __u32 size)
+{
+	__u32 threshold;
+
+	if (c->last_sender != st->role) {
+		c->last_sender = st->role;
+		st->run_msgs = 0;
+		st->run_bytes = 0;
+	}
+	st->run_msgs++;
+	st->run_bytes += size;
+	if (!stream_run_msgs || st->run_msgs < stream_run_msgs)
+		return false;
+	threshold = c->same_netns ? stream_small_bytes_local : stream_small_bytes_remote;
+	if (st->run_bytes < (__u64)stream_run_msgs * threshold)
+		return true;
+	st->run_msgs = 0;
+	st->run_bytes = 0;
+	return false;
+}
+
 static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 {
 	__u32 size = msg->size;
 	struct bpf_sock *sk = msg->sk;
 	struct mw_counters *cnt;
 	struct mw_sk_state *st;
+	struct mw_conn *c;
 	__u32 reason;
 
 	if (!sk)
@@ -1188,13 +1365,21 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 		 * The redirect ignores the receiver's buffer limits. Once the
 		 * receiver has more than redirect_budget_bytes unread, this
 		 * direction continues on TCP for good, whose flow control then
-		 * blocks the writer. Order holds: the receiver reads its redirect
-		 * queue (tcp_bpf_recvmsg) before the TCP queue.
+		 * blocks the writer. Order holds as in to_tcp.
 		 */
-		if (peer_backlog(st->peer_sk) + size > redirect_budget_bytes) {
+		c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
+		if (c && c->to_tcp) {
+			/* The peer turned the connection to TCP. */
+			to_tcp(st, c, c->to_tcp_reason);
+		} else if (c && small_stream(st, c, size)) {
+			to_tcp(st, c, MW_REASON_SMALL_STREAM);
+		} else if (peer_backlog(st->peer_sk) + size > redirect_budget_bytes) {
+			/* This direction only: the other one may well stay fast. */
 			st->decision = MW_CONN_PASSTHROUGH;
 			st->reason = MW_REASON_BACKPRESSURE;
 			count_conn(MW_REASON_BACKPRESSURE);
+			if (c)
+				__sync_val_compare_and_swap(&c->dir[dir_index(st->role)], MW_DIR_REDIRECT, MW_DIR_TCP);
 		} else if (bpf_msg_redirect_hash(msg, &mw_sock_hash, &st->peer, BPF_F_INGRESS) == SK_PASS) {
 			if (tap)
 				tap_record(msg, st, size);

@@ -71,7 +71,22 @@ enum mw_reason {
 	MW_REASON_UNREAD_CLOSE = 18,   /* close() with unread redirected bytes: TCP would send RST, not FIN */
 	MW_REASON_EARLY_DATA = 19,     /* bytes written before ESTABLISHED (TCP Fast Open, a write racing connect) went to TCP */
 	MW_REASON_DISCONNECT = 20,     /* learned: connect(AF_UNSPEC) keeps unread redirected bytes for the next connection */
-	MW_REASON_MAX = 21,
+	MW_REASON_SMALL_STREAM = 21,   /* a run of small writes one way: the connection continues on TCP, which coalesces them */
+	MW_REASON_MAX = 22,
+};
+
+/*
+ * One direction of a paired connection (mw_conn.dir[role - 1]). It moves
+ * UNDECIDED -> REDIRECT (its first message) -> TCP, or UNDECIDED -> NEVER
+ * when the connection went to TCP before this side sent: a NEVER side never
+ * had a message in flight to its peer. Changed only by its own sk_msg runs,
+ * except UNDECIDED -> NEVER (cmpxchg by the peer).
+ */
+enum mw_dir {
+	MW_DIR_UNDECIDED = 0,
+	MW_DIR_REDIRECT = 1,
+	MW_DIR_TCP = 2,
+	MW_DIR_NEVER = 3,
 };
 
 /* Which mesh hop a paired connection is. */
@@ -137,6 +152,18 @@ struct mw_conn {
 	 */
 	__u64 active_sk;
 	__u64 passive_sk;
+	__u64 active_netns; /* netns cookie of the connecting socket */
+	/*
+	 * A paired connection that continues on TCP as a whole (to_tcp set once,
+	 * by cmpxchg, with to_tcp_reason): each side switches its direction on
+	 * its next message, and both sockets leave mw_sock_hash once nothing
+	 * redirected can be in flight or unread (see on_leave_check).
+	 */
+	__u32 dir[2];           /* enum mw_dir, by role - 1 */
+	__u32 to_tcp;
+	enum mw_reason to_tcp_reason;
+	__u32 same_netns;       /* both sockets in one network namespace (loopback) */
+	__u32 last_sender;      /* role of the side that sent the last redirected message */
 };
 
 /*
@@ -176,12 +203,16 @@ struct mw_sk_state {
 	__u32 _pad;
 	__u64 peer_sk;   /* the peer's struct sock address (see struct mw_conn) */
 	__u64 sent;      /* bytes this socket redirected: its stream offset (the tap's sequence numbers) */
+	__u64 run_bytes; /* bytes of this socket's messages since its peer last sent */
+	__u32 run_msgs;  /* and their count */
+	__u32 left;      /* left mw_sock_hash after its connection went to TCP (plain TCP since) */
 };
 
 /* Counters, one copy per CPU (summed by Go). Cumulative. */
 struct mw_counters {
 	__u64 sockets_paired; /* sockets that joined a paired connection */
 	__u64 sockets_closed; /* paired sockets that closed since */
+	__u64 sockets_left;   /* paired sockets that left the SOCKHASH when their connection went to TCP */
 	__u64 redirected_msgs;
 	__u64 redirected_bytes;
 	__u64 sockhash_full;

@@ -41,6 +41,12 @@ type accelMwConn struct {
 	_               [4]byte
 	ActiveSk        uint64
 	PassiveSk       uint64
+	ActiveNetns     uint64
+	Dir             [2]uint32
+	ToTcp           uint32
+	ToTcpReason     accelMwReason
+	SameNetns       uint32
+	LastSender      uint32
 }
 
 type accelMwConnId struct {
@@ -59,19 +65,20 @@ type accelMwCounters struct {
 	_                 structs.HostLayout
 	SocketsPaired     uint64
 	SocketsClosed     uint64
+	SocketsLeft       uint64
 	RedirectedMsgs    uint64
 	RedirectedBytes   uint64
 	SockhashFull      uint64
-	PassthroughMsgs   [21]uint64
-	PassthroughBytes  [21]uint64
-	PassthroughConns  [21]uint64
+	PassthroughMsgs   [22]uint64
+	PassthroughBytes  [22]uint64
+	PassthroughConns  [22]uint64
 	HopConns          [4]uint64
 	HopMsgs           [4]uint64
 	HopBytes          [4]uint64
 	SpliceSocketReads uint64
 	NatPortRemaps     uint64
-	UnfitCalls        [21]uint64
-	SocketsRemoved    [21]uint64
+	UnfitCalls        [22]uint64
+	SocketsRemoved    [22]uint64
 }
 
 type accelMwEndpoint struct {
@@ -120,7 +127,8 @@ const (
 	accelMwReasonMW_REASON_UNREAD_CLOSE     accelMwReason = 18
 	accelMwReasonMW_REASON_EARLY_DATA       accelMwReason = 19
 	accelMwReasonMW_REASON_DISCONNECT       accelMwReason = 20
-	accelMwReasonMW_REASON_MAX              accelMwReason = 21
+	accelMwReasonMW_REASON_SMALL_STREAM     accelMwReason = 21
+	accelMwReasonMW_REASON_MAX              accelMwReason = 22
 )
 
 type accelMwSkState struct {
@@ -136,6 +144,9 @@ type accelMwSkState struct {
 	_        [4]byte
 	PeerSk   uint64
 	Sent     uint64
+	RunBytes uint64
+	RunMsgs  uint32
+	Left     uint32
 }
 
 type accelMwSockKey struct {
@@ -170,38 +181,41 @@ type accelMwUnfitProc struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	accelMapMwCgroup            = "mw_cgroup"
-	accelMapMwCidrExcl          = "mw_cidr_excl"
-	accelMapMwCidrIncl          = "mw_cidr_incl"
-	accelMapMwConnecting        = "mw_connecting"
-	accelMapMwConns             = "mw_conns"
-	accelMapMwPolicy            = "mw_policy"
-	accelMapMwPortPolicy        = "mw_port_policy"
-	accelMapMwSkStore           = "mw_sk_store"
-	accelMapMwSockHash          = "mw_sock_hash"
-	accelMapMwSrcAddr           = "mw_src_addr"
-	accelMapMwStats             = "mw_stats"
-	accelMapMwUnfitLport        = "mw_unfit_lport"
-	accelMapMwUnfitProcs        = "mw_unfit_procs"
-	accelMapMwUnfitRport        = "mw_unfit_rport"
-	accelMapMwUnhinted          = "mw_unhinted"
-	accelProgMwCloseWatch       = "mw_close_watch"
-	accelProgMwConnectWatch     = "mw_connect_watch"
-	accelProgMwRecvfromWatch    = "mw_recvfrom_watch"
-	accelProgMwRecvmmsgWatch    = "mw_recvmmsg_watch"
-	accelProgMwRecvmsgWatch     = "mw_recvmsg_watch"
-	accelProgMwSendmmsgWatch    = "mw_sendmmsg_watch"
-	accelProgMwSendmsgWatch     = "mw_sendmsg_watch"
-	accelProgMwSendtoWatch      = "mw_sendto_watch"
-	accelProgMwSetsockoptWatch  = "mw_setsockopt_watch"
-	accelProgMwSkmsg            = "mw_skmsg"
-	accelProgMwSockops          = "mw_sockops"
-	accelProgMwSpliceWatch      = "mw_splice_watch"
-	accelVarInboundCapturePort  = "inbound_capture_port"
-	accelVarOutboundCapturePort = "outbound_capture_port"
-	accelVarRedirectBudgetBytes = "redirect_budget_bytes"
-	accelVarSidecarUid          = "sidecar_uid"
-	accelVarUnpairedTimeoutNs   = "unpaired_timeout_ns"
+	accelMapMwCgroup               = "mw_cgroup"
+	accelMapMwCidrExcl             = "mw_cidr_excl"
+	accelMapMwCidrIncl             = "mw_cidr_incl"
+	accelMapMwConnecting           = "mw_connecting"
+	accelMapMwConns                = "mw_conns"
+	accelMapMwPolicy               = "mw_policy"
+	accelMapMwPortPolicy           = "mw_port_policy"
+	accelMapMwSkStore              = "mw_sk_store"
+	accelMapMwSockHash             = "mw_sock_hash"
+	accelMapMwSrcAddr              = "mw_src_addr"
+	accelMapMwStats                = "mw_stats"
+	accelMapMwUnfitLport           = "mw_unfit_lport"
+	accelMapMwUnfitProcs           = "mw_unfit_procs"
+	accelMapMwUnfitRport           = "mw_unfit_rport"
+	accelMapMwUnhinted             = "mw_unhinted"
+	accelProgMwCloseWatch          = "mw_close_watch"
+	accelProgMwConnectWatch        = "mw_connect_watch"
+	accelProgMwRecvfromWatch       = "mw_recvfrom_watch"
+	accelProgMwRecvmmsgWatch       = "mw_recvmmsg_watch"
+	accelProgMwRecvmsgWatch        = "mw_recvmsg_watch"
+	accelProgMwSendmmsgWatch       = "mw_sendmmsg_watch"
+	accelProgMwSendmsgWatch        = "mw_sendmsg_watch"
+	accelProgMwSendtoWatch         = "mw_sendto_watch"
+	accelProgMwSetsockoptWatch     = "mw_setsockopt_watch"
+	accelProgMwSkmsg               = "mw_skmsg"
+	accelProgMwSockops             = "mw_sockops"
+	accelProgMwSpliceWatch         = "mw_splice_watch"
+	accelVarInboundCapturePort     = "inbound_capture_port"
+	accelVarOutboundCapturePort    = "outbound_capture_port"
+	accelVarRedirectBudgetBytes    = "redirect_budget_bytes"
+	accelVarSidecarUid             = "sidecar_uid"
+	accelVarStreamRunMsgs          = "stream_run_msgs"
+	accelVarStreamSmallBytesLocal  = "stream_small_bytes_local"
+	accelVarStreamSmallBytesRemote = "stream_small_bytes_remote"
+	accelVarUnpairedTimeoutNs      = "unpaired_timeout_ns"
 )
 
 // loadAccel returns the embedded CollectionSpec for accel.
@@ -285,11 +299,14 @@ type accelMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelVariableSpecs struct {
-	InboundCapturePort  *ebpf.VariableSpec `ebpf:"inbound_capture_port"`
-	OutboundCapturePort *ebpf.VariableSpec `ebpf:"outbound_capture_port"`
-	RedirectBudgetBytes *ebpf.VariableSpec `ebpf:"redirect_budget_bytes"`
-	SidecarUid          *ebpf.VariableSpec `ebpf:"sidecar_uid"`
-	UnpairedTimeoutNs   *ebpf.VariableSpec `ebpf:"unpaired_timeout_ns"`
+	InboundCapturePort     *ebpf.VariableSpec `ebpf:"inbound_capture_port"`
+	OutboundCapturePort    *ebpf.VariableSpec `ebpf:"outbound_capture_port"`
+	RedirectBudgetBytes    *ebpf.VariableSpec `ebpf:"redirect_budget_bytes"`
+	SidecarUid             *ebpf.VariableSpec `ebpf:"sidecar_uid"`
+	StreamRunMsgs          *ebpf.VariableSpec `ebpf:"stream_run_msgs"`
+	StreamSmallBytesLocal  *ebpf.VariableSpec `ebpf:"stream_small_bytes_local"`
+	StreamSmallBytesRemote *ebpf.VariableSpec `ebpf:"stream_small_bytes_remote"`
+	UnpairedTimeoutNs      *ebpf.VariableSpec `ebpf:"unpaired_timeout_ns"`
 }
 
 // accelObjects contains all objects after they have been loaded into the kernel.
@@ -353,11 +370,14 @@ func (m *accelMaps) Close() error {
 //
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelVariables struct {
-	InboundCapturePort  *ebpf.Variable `ebpf:"inbound_capture_port"`
-	OutboundCapturePort *ebpf.Variable `ebpf:"outbound_capture_port"`
-	RedirectBudgetBytes *ebpf.Variable `ebpf:"redirect_budget_bytes"`
-	SidecarUid          *ebpf.Variable `ebpf:"sidecar_uid"`
-	UnpairedTimeoutNs   *ebpf.Variable `ebpf:"unpaired_timeout_ns"`
+	InboundCapturePort     *ebpf.Variable `ebpf:"inbound_capture_port"`
+	OutboundCapturePort    *ebpf.Variable `ebpf:"outbound_capture_port"`
+	RedirectBudgetBytes    *ebpf.Variable `ebpf:"redirect_budget_bytes"`
+	SidecarUid             *ebpf.Variable `ebpf:"sidecar_uid"`
+	StreamRunMsgs          *ebpf.Variable `ebpf:"stream_run_msgs"`
+	StreamSmallBytesLocal  *ebpf.Variable `ebpf:"stream_small_bytes_local"`
+	StreamSmallBytesRemote *ebpf.Variable `ebpf:"stream_small_bytes_remote"`
+	UnpairedTimeoutNs      *ebpf.Variable `ebpf:"unpaired_timeout_ns"`
 }
 
 // accelPrograms contains all programs after they have been loaded into the kernel.

@@ -58,6 +58,18 @@ const DefaultUnpairedTimeout = 10 * time.Millisecond
 // on plain TCP.
 const DefaultRedirectBudget = 1 << 20
 
+// Small-message streams (reason small_stream): a connection whose one side
+// writes SmallStreamRun messages without a message back, averaging fewer
+// bytes than the path's threshold, continues on TCP, which coalesces small
+// writes where a redirect pays one queued message and one wakeup per write
+// (docs/BENCHMARKS.md section 8 measured the thresholds: loopback loses up
+// to 4 KB, pod to pod below 256 B).
+const (
+	SmallStreamRun         = 16
+	SmallStreamLocalBytes  = 16 << 10 // both ends in one network namespace (loopback)
+	SmallStreamRemoteBytes = 256      // across namespaces (veth)
+)
+
 // DefaultCapacity is the default number of sockets (and connections) tracked.
 const DefaultCapacity = 65536
 
@@ -86,6 +98,25 @@ type Config struct {
 	UnpairedTimeout time.Duration
 	// RedirectBudget: see DefaultRedirectBudget; 0 means that.
 	RedirectBudget uint32
+	// KeepSmallStreams keeps small-message streams on the redirect (see
+	// SmallStreamRun) instead of moving them to TCP.
+	KeepSmallStreams bool
+}
+
+// DataPathConstants are the data path's load-time settings for cfg (the
+// tap's program, which replaces the agent's while it runs, uses the defaults).
+func DataPathConstants(cfg Config) map[string]any {
+	cfg.setDefaults()
+	run := uint32(SmallStreamRun)
+	if cfg.KeepSmallStreams {
+		run = 0
+	}
+	return map[string]any{
+		"redirect_budget_bytes":     cfg.RedirectBudget,
+		"stream_run_msgs":           run,
+		"stream_small_bytes_local":  uint32(SmallStreamLocalBytes),
+		"stream_small_bytes_remote": uint32(SmallStreamRemoteBytes),
+	}
 }
 
 func (c *Config) setDefaults() {
@@ -187,13 +218,12 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	}
 	spec.Maps["mw_sock_hash"].MaxEntries = cfg.SockhashCapacity
 	spec.Maps["mw_conns"].MaxEntries = cfg.SockhashCapacity
-	for name, v := range map[string]any{
-		"sidecar_uid":           cfg.SidecarUID,
-		"outbound_capture_port": uint32(cfg.OutboundPort),
-		"inbound_capture_port":  uint32(cfg.InboundPort),
-		"unpaired_timeout_ns":   uint64(cfg.UnpairedTimeout.Nanoseconds()),
-		"redirect_budget_bytes": cfg.RedirectBudget,
-	} {
+	consts := DataPathConstants(cfg)
+	consts["sidecar_uid"] = cfg.SidecarUID
+	consts["outbound_capture_port"] = uint32(cfg.OutboundPort)
+	consts["inbound_capture_port"] = uint32(cfg.InboundPort)
+	consts["unpaired_timeout_ns"] = uint64(cfg.UnpairedTimeout.Nanoseconds())
+	for name, v := range consts {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, fmt.Errorf("set %s: %w", name, err)
 		}

@@ -78,7 +78,9 @@ func TestPrivilegedChartLifecycleUnderLoad(t *testing.T) {
 	api, kubeconfig := newAPIServer(t, "meshwarp-system", "meshwarp")
 	policyFile := filepath.Join(t.TempDir(), "policy.yaml")
 	os.WriteFile(policyFile, []byte("exclude_ports: []\n"), 0o644)
-	chartFlags := []string{"--keep-on-exit-while-daemonset=meshwarp-system/meshwarp", "--kubeconfig", kubeconfig, "--config", policyFile}
+	// --keep-small-streams: the load below writes without waiting for its
+	// echo (small streams), and must stay accelerated across the update.
+	chartFlags := []string{"--keep-on-exit-while-daemonset=meshwarp-system/meshwarp", "--kubeconfig", kubeconfig, "--config", policyFile, "--keep-small-streams"}
 
 	srv := testutil.ServeEcho(mustListen(t, "127.0.0.1:0"))
 	defer srv.Close()

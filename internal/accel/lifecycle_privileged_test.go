@@ -133,7 +133,11 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	target := srv.Addr().String()
 	dial := func() (net.Conn, error) { return net.Dial("tcp", target) }
 
-	agent1 := startAgentProc(t, cgroup, pinDir)
+	// The streams write 1..16 KB without waiting for the echo: small
+	// streams, which the agent would move to TCP (small_stream). They must
+	// stay accelerated through every step here.
+	const keep = "--keep-small-streams"
+	agent1 := startAgentProc(t, cgroup, pinDir, keep)
 
 	stop := make(chan struct{})
 	started := make(chan struct{}, 100)
@@ -164,7 +168,7 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	checkNewConnections(t, dial, "after SIGKILL")
 
 	// 2. Restart: the new agent adopts the pinned maps and links.
-	agent2 := startAgentProc(t, cgroup, pinDir, "--keep-on-exit")
+	agent2 := startAgentProc(t, cgroup, pinDir, "--keep-on-exit", keep)
 	if !strings.Contains(agent2.stderr.String(), "adopted=true") {
 		t.Fatalf("restarted agent did not adopt the pinned state:\n%s", agent2.stderr.String())
 	}
@@ -183,7 +187,7 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	if !pinned(pinDir) {
 		t.Fatal("--keep-on-exit removed the pins")
 	}
-	agent3 := startAgentProc(t, cgroup, pinDir, "--metrics-addr", "127.0.0.1:0")
+	agent3 := startAgentProc(t, cgroup, pinDir, "--metrics-addr", "127.0.0.1:0", keep)
 	checkNewConnections(t, dial, "after upgrade")
 	checkMetrics(t, agent3)
 
@@ -202,7 +206,7 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	checkNewConnections(t, dial, "after uninstall")
 
 	// 5. `meshwarp cleanup` of an agent that was killed, still under load.
-	agent4 := startAgentProc(t, cgroup, pinDir)
+	agent4 := startAgentProc(t, cgroup, pinDir, keep)
 	agent4.stop(t, syscall.SIGKILL)
 	out, err = exec.Command(meshwarpBinary(t), "cleanup", "--pin-dir", pinDir).CombinedOutput()
 	if err != nil {

@@ -31,6 +31,10 @@ type Stats struct {
 	// from then on they are plain TCP sockets.
 	RemovedSockets map[string]uint64 `json:"removed_sockets_by_reason"`
 	PairedSockets  uint64            `json:"paired_sockets_total"`
+	// LeftSockets counts paired sockets that left the SOCKHASH after their
+	// connection went to TCP (small_stream), once nothing
+	// redirected was in flight or unread: plain TCP sockets since.
+	LeftSockets uint64 `json:"left_sockets_total"`
 	SockhashFull   uint64            `json:"sockhash_full"`
 	// NATPortRemaps counts paired connections whose source port NAT
 	// rewrote between the two ends (conntrack under REDIRECT or DNAT).
@@ -178,6 +182,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 	for _, c := range perCPU {
 		t.SocketsPaired += c.SocketsPaired
 		t.SocketsClosed += c.SocketsClosed
+		t.SocketsLeft += c.SocketsLeft
 		t.RedirectedMsgs += c.RedirectedMsgs
 		t.RedirectedBytes += c.RedirectedBytes
 		t.SockhashFull += c.SockhashFull
@@ -200,6 +205,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 		RedirectedMessages:       t.RedirectedMsgs,
 		RedirectedBytes:          t.RedirectedBytes,
 		PairedSockets:            t.SocketsPaired,
+		LeftSockets:              t.SocketsLeft,
 		SockhashFull:             t.SockhashFull,
 		SpliceSocketReads:        t.SpliceSocketReads,
 		NATPortRemaps:            t.NatPortRemaps,
@@ -212,8 +218,8 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 	}
 	// Per-CPU counters are summed without a lock, so a close counted on one
 	// CPU can be seen before the matching pairing on another: clamp at 0.
-	if t.SocketsPaired > t.SocketsClosed {
-		s.AcceleratedSockets = t.SocketsPaired - t.SocketsClosed
+	if done := t.SocketsClosed + t.SocketsLeft; t.SocketsPaired > done {
+		s.AcceleratedSockets = t.SocketsPaired - done
 	}
 	for i, name := range reasonNames {
 		if i == 0 {
@@ -246,6 +252,7 @@ func (s Stats) Sub(before Stats) Stats {
 	d.PassthroughMessages -= before.PassthroughMessages
 	d.PassthroughBytes -= before.PassthroughBytes
 	d.PairedSockets -= before.PairedSockets
+	d.LeftSockets -= before.LeftSockets
 	d.SockhashFull -= before.SockhashFull
 	d.SpliceSocketReads -= before.SpliceSocketReads
 	d.NATPortRemaps -= before.NATPortRemaps

@@ -21,17 +21,18 @@ import (
 )
 
 type runOptions struct {
-	cgroup      string
-	pinDir      string
-	metricsAddr string
-	sidecarUID  uint32
-	capacity    uint32
-	unpaired    time.Duration
-	configFile  string
-	keepOnExit  bool
-	keepWhileDS string // namespace/name: keep on exit only while this DaemonSet stays
-	kubeconfig  string
-	policy      config.File
+	cgroup           string
+	pinDir           string
+	metricsAddr      string
+	sidecarUID       uint32
+	capacity         uint32
+	unpaired         time.Duration
+	configFile       string
+	keepOnExit       bool
+	keepSmallStreams bool
+	keepWhileDS      string // namespace/name: keep on exit only while this DaemonSet stays
+	kubeconfig       string
+	policy           config.File
 }
 
 // configPollInterval is how often --config is re-read: a mounted ConfigMap
@@ -92,6 +93,8 @@ connection; exclude them up front so that no connection is affected.`,
 	f.Uint32Var(&o.capacity, "capacity", accel.DefaultCapacity, "maximum accelerated sockets; beyond it connections use the normal stack")
 	f.DurationVar(&o.unpaired, "unpaired-timeout", accel.DefaultUnpairedTimeout,
 		"how long a connecting socket whose listener is in the cgroup may wait for its peer to be established before it is left to TCP")
+	f.BoolVar(&o.keepSmallStreams, "keep-small-streams", false,
+		"keep small-message streams on the redirect (default: a connection whose one side writes many small messages without a reply continues on TCP, which is faster for it; see `meshwarp status` small_stream)")
 	f.StringVar(&o.configFile, "config", "", "YAML policy file (include_ports, exclude_ports, include_cidrs, exclude_cidrs); SIGHUP reloads it")
 	f.BoolVar(&o.keepOnExit, "keep-on-exit", false, "leave the data path attached and pinned on exit (for restarts and upgrades)")
 	f.StringVar(&o.keepWhileDS, "keep-on-exit-while-daemonset", "", "namespace/name: keep the data path on exit only while this DaemonSet exists and is not being deleted")
@@ -154,6 +157,7 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 		Policy:           policy,
 		SockhashCapacity: o.capacity,
 		UnpairedTimeout:  o.unpaired,
+		KeepSmallStreams: o.keepSmallStreams,
 	}, logger)
 	if err != nil {
 		return err

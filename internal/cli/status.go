@@ -41,6 +41,10 @@ attached). Counters are cumulative across agent restarts.
     addr_mismatch   the peer saw another source address (SNAT): not provably a pair
     backpressure    the receiver left more than the redirect budget unread: that direction
                     continues on TCP, whose flow control blocks the writer
+    small_stream    one side wrote 16 messages without a message back, averaging under
+                    16 KB (loopback) or 256 B (across pods): TCP coalesces such writes,
+                    the redirect pays per write, so the connection continues on TCP
+                    (run --keep-small-streams turns this off)
     send_shutdown   a write after shutdown(SHUT_WR): TCP answers EPIPE (messages only)
     tcp_repair      a socket in TCP_REPAIR mode (its sequence numbers prove nothing)
     rcvlowat        SO_RCVLOWAT was set (before the connection, or learned: after pairing,
@@ -60,7 +64,10 @@ attached). Counters are cumulative across agent restarts.
   removed_sockets_by_reason  sockets kept off the SOCKHASH (the connecting socket of a
                           no_local_peer, policy or splice_reader connection) or taken out
                           of it once their connection was left to TCP: from then on they
-                          are plain TCP sockets (no per-message cost, native FIONREAD and splice)
+                          are plain TCP sockets (no per-message cost, native FIONREAD and splice).
+                          A paired socket of a connection that went to TCP as a small_stream
+                          leaves once its redirected bytes are read
+  left_sockets_total      those paired sockets that left (not counted as accelerated any more)
   other_sockmap_programs  sock_ops/sk_msg programs of other tools on this node; a socket
                           whose sk_msg belongs to them stays on TCP (sockmap_busy)
   hops                    per mesh hop: app_to_sidecar, sidecar_to_sidecar, sidecar_to_app, direct
@@ -102,6 +109,7 @@ func printStatus(w io.Writer, pinDir string, s accel.Stats) {
 		}
 		fmt.Fprintf(tw, "  %s\t%d messages, %d connections, %d sockets removed\n", r, s.PassthroughByReason[r], s.PassthroughConnections[r], s.RemovedSockets[r])
 	}
+	fmt.Fprintf(tw, "paired sockets that left for TCP\t%d\n", s.LeftSockets)
 	fmt.Fprintf(tw, "sockhash full\t%d\n", s.SockhashFull)
 	fmt.Fprintf(tw, "paired across a NAT port remap\t%d connections\n", s.NATPortRemaps)
 	tw.Flush()

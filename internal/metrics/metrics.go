@@ -41,6 +41,8 @@ var (
 		"Connections left to the normal TCP stack, by reason.", []string{"reason"}, nil)
 	descRemoved = prometheus.NewDesc("meshwarp_accel_removed_sockets_total",
 		"Sockets kept off the SOCKHASH or taken out of it again because their connection was left to TCP (plain TCP sockets from then on), by reason.", []string{"reason"}, nil)
+	descLeft = prometheus.NewDesc("meshwarp_accel_left_sockets_total",
+		"Paired sockets that left the SOCKHASH after their connection went to TCP (small_stream), once their redirected bytes were read.", nil, nil)
 	descFull = prometheus.NewDesc("meshwarp_accel_sockhash_full_total",
 		"Sockets not accelerated because the SOCKHASH was at capacity.", nil, nil)
 	descHopConns = prometheus.NewDesc("meshwarp_accel_hop_paired_connections_total",
@@ -64,7 +66,7 @@ type accelCollector struct{ read StatsFunc }
 
 func (c accelCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descSockets, descRedirBytes, descRedirMsgs, descPassMsgs, descPassBytes,
-		descPassConns, descRemoved, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descNATRemaps, descUnfit, descScrapeErr} {
+		descPassConns, descRemoved, descLeft, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descNATRemaps, descUnfit, descScrapeErr} {
 		ch <- d
 	}
 }
@@ -80,6 +82,7 @@ func (c accelCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descRedirBytes, prometheus.CounterValue, float64(s.RedirectedBytes))
 	ch <- prometheus.MustNewConstMetric(descRedirMsgs, prometheus.CounterValue, float64(s.RedirectedMessages))
 	ch <- prometheus.MustNewConstMetric(descFull, prometheus.CounterValue, float64(s.SockhashFull))
+	ch <- prometheus.MustNewConstMetric(descLeft, prometheus.CounterValue, float64(s.LeftSockets))
 	ch <- prometheus.MustNewConstMetric(descSplice, prometheus.CounterValue, float64(s.SpliceSocketReads))
 	ch <- prometheus.MustNewConstMetric(descNATRemaps, prometheus.CounterValue, float64(s.NATPortRemaps))
 	for _, r := range accel.ReasonNames() {

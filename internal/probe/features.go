@@ -125,6 +125,7 @@ var helpers = []struct {
 	{ebpf.SockOps, "sock_ops", asm.FnGetSocketCookie, "bpf_get_socket_cookie", "per-connection identity", configCgroup},
 	{ebpf.SockOps, "sock_ops", asm.FnSockOpsCbFlagsSet, "bpf_sock_ops_cb_flags_set", "state-change callbacks (close)", configCgroup},
 	{ebpf.SockOps, "sock_ops", asm.FnSkcToTcpSock, "bpf_skc_to_tcp_sock", "reads TCP state (Linux 5.9, BTF, CAP_PERFMON)", configBTF},
+	{ebpf.SockOps, "sock_ops", asm.FnGetNetnsCookie, "bpf_get_netns_cookie", "whether a pair shares a namespace (small-stream threshold)", configCgroup},
 	{ebpf.SkMsg, "sk_msg", asm.FnMsgRedirectHash, "bpf_msg_redirect_hash", "the redirect itself", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnSkStorageGet, "bpf_sk_storage_get", "per-socket decision cache", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnSkcToTcpSock, "bpf_skc_to_tcp_sock", "sees bytes written before pairing (early_data)", configBTF},
@@ -364,7 +365,8 @@ func (p *prober) receiveLimitation() {
 			"connection returns what is queued, MSG_OOB carries no urgent mark, and close() with unread " +
 			"bytes sends FIN, not RST, and connect(AF_UNSPEC) keeps unread redirected bytes for the socket's next connection. meshwarp watches these calls in the attached cgroup and keeps later " +
 			"connections on that socket's ports on TCP; the connection that revealed the call already ran " +
-			"accelerated. FIONREAD after a writer fell back to TCP (backpressure) counts only the redirected bytes",
+			"accelerated. FIONREAD after a writer fell back to TCP (backpressure) counts only the redirected bytes " +
+			"(a small_stream connection's sockets leave the SOCKHASH once those are read: native FIONREAD from then on)",
 		Fix: "exclude the ports of programs that rely on these up front: --exclude-ports"})
 }
 

@@ -86,12 +86,11 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 	if err != nil {
 		return res, fmt.Errorf("load tap spec: %w", err)
 	}
-	for name, v := range map[string]any{
-		"tap_snaplen":           uint32(o.Snaplen),
-		"tap_port":              uint32(o.Port),
-		"tap_netns":             netnsCookie,
-		"redirect_budget_bytes": uint32(accel.DefaultRedirectBudget),
-	} {
+	consts := accel.DataPathConstants(accel.Config{})
+	consts["tap_snaplen"] = uint32(o.Snaplen)
+	consts["tap_port"] = uint32(o.Port)
+	consts["tap_netns"] = netnsCookie
+	for name, v := range consts {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return res, fmt.Errorf("set %s: %w", name, err)
 		}

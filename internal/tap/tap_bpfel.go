@@ -41,6 +41,12 @@ type tapMwConn struct {
 	_               [4]byte
 	ActiveSk        uint64
 	PassiveSk       uint64
+	ActiveNetns     uint64
+	Dir             [2]uint32
+	ToTcp           uint32
+	ToTcpReason     uint32
+	SameNetns       uint32
+	LastSender      uint32
 }
 
 type tapMwConnId struct {
@@ -59,19 +65,20 @@ type tapMwCounters struct {
 	_                 structs.HostLayout
 	SocketsPaired     uint64
 	SocketsClosed     uint64
+	SocketsLeft       uint64
 	RedirectedMsgs    uint64
 	RedirectedBytes   uint64
 	SockhashFull      uint64
-	PassthroughMsgs   [21]uint64
-	PassthroughBytes  [21]uint64
-	PassthroughConns  [21]uint64
+	PassthroughMsgs   [22]uint64
+	PassthroughBytes  [22]uint64
+	PassthroughConns  [22]uint64
 	HopConns          [4]uint64
 	HopMsgs           [4]uint64
 	HopBytes          [4]uint64
 	SpliceSocketReads uint64
 	NatPortRemaps     uint64
-	UnfitCalls        [21]uint64
-	SocketsRemoved    [21]uint64
+	UnfitCalls        [22]uint64
+	SocketsRemoved    [22]uint64
 }
 
 type tapMwEndpoint struct {
@@ -99,6 +106,9 @@ type tapMwSkState struct {
 	_        [4]byte
 	PeerSk   uint64
 	Sent     uint64
+	RunBytes uint64
+	RunMsgs  uint32
+	Left     uint32
 }
 
 type tapMwSockKey struct {
@@ -160,45 +170,48 @@ type tapMwUnfitProc struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	tapMapMwCgroup            = "mw_cgroup"
-	tapMapMwCidrExcl          = "mw_cidr_excl"
-	tapMapMwCidrIncl          = "mw_cidr_incl"
-	tapMapMwConnecting        = "mw_connecting"
-	tapMapMwConns             = "mw_conns"
-	tapMapMwPolicy            = "mw_policy"
-	tapMapMwPortPolicy        = "mw_port_policy"
-	tapMapMwSkStore           = "mw_sk_store"
-	tapMapMwSockHash          = "mw_sock_hash"
-	tapMapMwSrcAddr           = "mw_src_addr"
-	tapMapMwStats             = "mw_stats"
-	tapMapMwTapCounters       = "mw_tap_counters"
-	tapMapMwTapRing           = "mw_tap_ring"
-	tapMapMwTapScratch        = "mw_tap_scratch"
-	tapMapMwUnfitLport        = "mw_unfit_lport"
-	tapMapMwUnfitProcs        = "mw_unfit_procs"
-	tapMapMwUnfitRport        = "mw_unfit_rport"
-	tapMapMwUnhinted          = "mw_unhinted"
-	tapProgMwCloseWatch       = "mw_close_watch"
-	tapProgMwConnectWatch     = "mw_connect_watch"
-	tapProgMwRecvfromWatch    = "mw_recvfrom_watch"
-	tapProgMwRecvmmsgWatch    = "mw_recvmmsg_watch"
-	tapProgMwRecvmsgWatch     = "mw_recvmsg_watch"
-	tapProgMwSendmmsgWatch    = "mw_sendmmsg_watch"
-	tapProgMwSendmsgWatch     = "mw_sendmsg_watch"
-	tapProgMwSendtoWatch      = "mw_sendto_watch"
-	tapProgMwSetsockoptWatch  = "mw_setsockopt_watch"
-	tapProgMwSkmsg            = "mw_skmsg"
-	tapProgMwSkmsgTap         = "mw_skmsg_tap"
-	tapProgMwSockops          = "mw_sockops"
-	tapProgMwSpliceWatch      = "mw_splice_watch"
-	tapVarInboundCapturePort  = "inbound_capture_port"
-	tapVarOutboundCapturePort = "outbound_capture_port"
-	tapVarRedirectBudgetBytes = "redirect_budget_bytes"
-	tapVarSidecarUid          = "sidecar_uid"
-	tapVarTapNetns            = "tap_netns"
-	tapVarTapPort             = "tap_port"
-	tapVarTapSnaplen          = "tap_snaplen"
-	tapVarUnpairedTimeoutNs   = "unpaired_timeout_ns"
+	tapMapMwCgroup               = "mw_cgroup"
+	tapMapMwCidrExcl             = "mw_cidr_excl"
+	tapMapMwCidrIncl             = "mw_cidr_incl"
+	tapMapMwConnecting           = "mw_connecting"
+	tapMapMwConns                = "mw_conns"
+	tapMapMwPolicy               = "mw_policy"
+	tapMapMwPortPolicy           = "mw_port_policy"
+	tapMapMwSkStore              = "mw_sk_store"
+	tapMapMwSockHash             = "mw_sock_hash"
+	tapMapMwSrcAddr              = "mw_src_addr"
+	tapMapMwStats                = "mw_stats"
+	tapMapMwTapCounters          = "mw_tap_counters"
+	tapMapMwTapRing              = "mw_tap_ring"
+	tapMapMwTapScratch           = "mw_tap_scratch"
+	tapMapMwUnfitLport           = "mw_unfit_lport"
+	tapMapMwUnfitProcs           = "mw_unfit_procs"
+	tapMapMwUnfitRport           = "mw_unfit_rport"
+	tapMapMwUnhinted             = "mw_unhinted"
+	tapProgMwCloseWatch          = "mw_close_watch"
+	tapProgMwConnectWatch        = "mw_connect_watch"
+	tapProgMwRecvfromWatch       = "mw_recvfrom_watch"
+	tapProgMwRecvmmsgWatch       = "mw_recvmmsg_watch"
+	tapProgMwRecvmsgWatch        = "mw_recvmsg_watch"
+	tapProgMwSendmmsgWatch       = "mw_sendmmsg_watch"
+	tapProgMwSendmsgWatch        = "mw_sendmsg_watch"
+	tapProgMwSendtoWatch         = "mw_sendto_watch"
+	tapProgMwSetsockoptWatch     = "mw_setsockopt_watch"
+	tapProgMwSkmsg               = "mw_skmsg"
+	tapProgMwSkmsgTap            = "mw_skmsg_tap"
+	tapProgMwSockops             = "mw_sockops"
+	tapProgMwSpliceWatch         = "mw_splice_watch"
+	tapVarInboundCapturePort     = "inbound_capture_port"
+	tapVarOutboundCapturePort    = "outbound_capture_port"
+	tapVarRedirectBudgetBytes    = "redirect_budget_bytes"
+	tapVarSidecarUid             = "sidecar_uid"
+	tapVarStreamRunMsgs          = "stream_run_msgs"
+	tapVarStreamSmallBytesLocal  = "stream_small_bytes_local"
+	tapVarStreamSmallBytesRemote = "stream_small_bytes_remote"
+	tapVarTapNetns               = "tap_netns"
+	tapVarTapPort                = "tap_port"
+	tapVarTapSnaplen             = "tap_snaplen"
+	tapVarUnpairedTimeoutNs      = "unpaired_timeout_ns"
 )
 
 // loadTap returns the embedded CollectionSpec for tap.
@@ -286,14 +299,17 @@ type tapMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type tapVariableSpecs struct {
-	InboundCapturePort  *ebpf.VariableSpec `ebpf:"inbound_capture_port"`
-	OutboundCapturePort *ebpf.VariableSpec `ebpf:"outbound_capture_port"`
-	RedirectBudgetBytes *ebpf.VariableSpec `ebpf:"redirect_budget_bytes"`
-	SidecarUid          *ebpf.VariableSpec `ebpf:"sidecar_uid"`
-	TapNetns            *ebpf.VariableSpec `ebpf:"tap_netns"`
-	TapPort             *ebpf.VariableSpec `ebpf:"tap_port"`
-	TapSnaplen          *ebpf.VariableSpec `ebpf:"tap_snaplen"`
-	UnpairedTimeoutNs   *ebpf.VariableSpec `ebpf:"unpaired_timeout_ns"`
+	InboundCapturePort     *ebpf.VariableSpec `ebpf:"inbound_capture_port"`
+	OutboundCapturePort    *ebpf.VariableSpec `ebpf:"outbound_capture_port"`
+	RedirectBudgetBytes    *ebpf.VariableSpec `ebpf:"redirect_budget_bytes"`
+	SidecarUid             *ebpf.VariableSpec `ebpf:"sidecar_uid"`
+	StreamRunMsgs          *ebpf.VariableSpec `ebpf:"stream_run_msgs"`
+	StreamSmallBytesLocal  *ebpf.VariableSpec `ebpf:"stream_small_bytes_local"`
+	StreamSmallBytesRemote *ebpf.VariableSpec `ebpf:"stream_small_bytes_remote"`
+	TapNetns               *ebpf.VariableSpec `ebpf:"tap_netns"`
+	TapPort                *ebpf.VariableSpec `ebpf:"tap_port"`
+	TapSnaplen             *ebpf.VariableSpec `ebpf:"tap_snaplen"`
+	UnpairedTimeoutNs      *ebpf.VariableSpec `ebpf:"unpaired_timeout_ns"`
 }
 
 // tapObjects contains all objects after they have been loaded into the kernel.
@@ -363,14 +379,17 @@ func (m *tapMaps) Close() error {
 //
 // It can be passed to loadTapObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tapVariables struct {
-	InboundCapturePort  *ebpf.Variable `ebpf:"inbound_capture_port"`
-	OutboundCapturePort *ebpf.Variable `ebpf:"outbound_capture_port"`
-	RedirectBudgetBytes *ebpf.Variable `ebpf:"redirect_budget_bytes"`
-	SidecarUid          *ebpf.Variable `ebpf:"sidecar_uid"`
-	TapNetns            *ebpf.Variable `ebpf:"tap_netns"`
-	TapPort             *ebpf.Variable `ebpf:"tap_port"`
-	TapSnaplen          *ebpf.Variable `ebpf:"tap_snaplen"`
-	UnpairedTimeoutNs   *ebpf.Variable `ebpf:"unpaired_timeout_ns"`
+	InboundCapturePort     *ebpf.Variable `ebpf:"inbound_capture_port"`
+	OutboundCapturePort    *ebpf.Variable `ebpf:"outbound_capture_port"`
+	RedirectBudgetBytes    *ebpf.Variable `ebpf:"redirect_budget_bytes"`
+	SidecarUid             *ebpf.Variable `ebpf:"sidecar_uid"`
+	StreamRunMsgs          *ebpf.Variable `ebpf:"stream_run_msgs"`
+	StreamSmallBytesLocal  *ebpf.Variable `ebpf:"stream_small_bytes_local"`
+	StreamSmallBytesRemote *ebpf.Variable `ebpf:"stream_small_bytes_remote"`
+	TapNetns               *ebpf.Variable `ebpf:"tap_netns"`
+	TapPort                *ebpf.Variable `ebpf:"tap_port"`
+	TapSnaplen             *ebpf.Variable `ebpf:"tap_snaplen"`
+	UnpairedTimeoutNs      *ebpf.Variable `ebpf:"unpaired_timeout_ns"`
 }
 
 // tapPrograms contains all programs after they have been loaded into the kernel.

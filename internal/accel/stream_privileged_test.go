@@ -1,0 +1,366 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package accel
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"runtime"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/meshwarp/meshwarp/internal/testutil"
+)
+
+// A small-message stream turns its connection to TCP mid-connection
+// (small_stream), and both sockets then leave the SOCKHASH. These tests
+// drive connections through that switch and require TCP's guarantees on
+// every byte; each runs without and with the agent, with the same
+// assertions.
+
+// streamDir is one direction of a connection: writes carry pattern bytes
+// at increasing stream offsets, so a lost, duplicated or reordered byte
+// shows up as a wrong byte at its offset.
+type streamDir struct {
+	w, r    net.Conn
+	written int64
+	read    int64
+}
+
+// send writes n messages, message i of size(i) bytes, one write each.
+func (d *streamDir) send(n int, size func(i int) int) error {
+	buf := make([]byte, 64<<10)
+	for i := range n {
+		sz := size(i)
+		for j := range sz {
+			buf[j] = pattern(d.written + int64(j))
+		}
+		if _, err := d.w.Write(buf[:sz]); err != nil {
+			return fmt.Errorf("write at offset %d: %w", d.written, err)
+		}
+		d.written += int64(sz)
+	}
+	return nil
+}
+
+// recv reads until total bytes arrived in all (or EOF when toEOF), checking
+// each byte; a slow reader reads 7 bytes at a time and yields in between.
+func (d *streamDir) recv(total int64, slow, toEOF bool) error {
+	buf := make([]byte, 64<<10)
+	if slow {
+		buf = buf[:7]
+	}
+	for toEOF || d.read < total {
+		if !toEOF {
+			buf = buf[:min(int64(len(buf)), total-d.read)]
+		}
+		n, err := d.r.Read(buf)
+		for i := range n {
+			if buf[i] != pattern(d.read+int64(i)) {
+				return fmt.Errorf("byte at offset %d differs: lost, duplicated or reordered", d.read+int64(i))
+			}
+		}
+		d.read += int64(n)
+		if errors.Is(err, io.EOF) && toEOF {
+			if d.read != total {
+				return fmt.Errorf("EOF after %d bytes, %d were written", d.read, total)
+			}
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("read at offset %d: %w", d.read, err)
+		}
+		if slow {
+			runtime.Gosched()
+		}
+	}
+	return nil
+}
+
+// both runs a stream and its reader at once.
+func both(send func() error, recv func() error) error {
+	errc := make(chan error, 1)
+	go func() { errc <- send() }()
+	rerr := recv()
+	return errors.Join(<-errc, rerr)
+}
+
+func smallSize(i int) int { return i%64 + 1 }
+
+// streamScenario runs the phases of one connection: a small stream one
+// way, request/response, small streams both ways at once, bulk, and a
+// half-close in the middle of a stream followed by a stream back.
+func streamScenario(client, server net.Conn, slow bool) error {
+	up := &streamDir{w: client, r: server}
+	down := &streamDir{w: server, r: client}
+	steps := []struct {
+		name string
+		run  func() error
+	}{
+		{"small stream client->server", func() error {
+			return both(func() error { return up.send(2000, smallSize) }, func() error { return up.recv(up.written+sumSizes(2000, smallSize), slow, false) })
+		}},
+		{"request/response", func() error {
+			for range 50 {
+				if err := up.send(1, func(int) int { return 100 }); err != nil {
+					return err
+				}
+				if err := up.recv(up.written, false, false); err != nil {
+					return err
+				}
+				if err := down.send(1, func(int) int { return 300 }); err != nil {
+					return err
+				}
+				if err := down.recv(down.written, false, false); err != nil {
+					return err
+				}
+			}
+			return nil
+		}},
+		{"small streams both ways", func() error {
+			upTotal, downTotal := up.written+sumSizes(1500, smallSize), down.written+sumSizes(1500, smallSize)
+			var wg sync.WaitGroup
+			var e1, e2 error
+			wg.Add(2)
+			go func() {
+				defer wg.Done()
+				e1 = both(func() error { return up.send(1500, smallSize) }, func() error { return up.recv(upTotal, slow, false) })
+			}()
+			go func() {
+				defer wg.Done()
+				e2 = both(func() error { return down.send(1500, smallSize) }, func() error { return down.recv(downTotal, slow, false) })
+			}()
+			wg.Wait()
+			return errors.Join(e1, e2)
+		}},
+		{"bulk", func() error {
+			size := func(int) int { return 60 << 10 }
+			return both(func() error { return down.send(40, size) }, func() error { return down.recv(down.written+sumSizes(40, size), slow, false) })
+		}},
+		{"half-close during a stream, then a stream back", func() error {
+			upTotal := up.written + sumSizes(1000, smallSize)
+			err := both(func() error {
+				if err := up.send(1000, smallSize); err != nil {
+					return err
+				}
+				return client.(*net.TCPConn).CloseWrite()
+			}, func() error { return up.recv(upTotal, slow, true) })
+			if err != nil {
+				return err
+			}
+			downTotal := down.written + sumSizes(1000, smallSize)
+			return both(func() error {
+				if err := down.send(1000, smallSize); err != nil {
+					return err
+				}
+				return server.(*net.TCPConn).CloseWrite()
+			}, func() error { return down.recv(downTotal, slow, true) })
+		}},
+	}
+	for _, s := range steps {
+		if err := s.run(); err != nil {
+			return fmt.Errorf("%s: %w", s.name, err)
+		}
+	}
+	return nil
+}
+
+func sumSizes(n int, size func(int) int) int64 {
+	var t int64
+	for i := range n {
+		t += int64(size(i))
+	}
+	return t
+}
+
+// Many connections at once go through every phase, over loopback and
+// across namespaces (the two thresholds), with fast and slow readers.
+func TestPrivilegedSmallStreamSwitchKeepsEveryByte(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	const conns = 16
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		var before Stats
+		if a != nil {
+			before = stats(t, a)
+		}
+		paths := []struct {
+			name string
+			ln   func(t *testing.T) (net.Listener, func() (net.Conn, error))
+		}{
+			{"loopback", func(t *testing.T) (net.Listener, func() (net.Conn, error)) {
+				ln := mustListen(t, "127.0.0.1:0")
+				return ln, dialer(ln.Addr().String())
+			}},
+			{"across-netns", func(t *testing.T) (net.Listener, func() (net.Conn, error)) {
+				cns, sns := testutil.NewNetns(t, "stream-c"), testutil.NewNetns(t, "stream-s")
+				_, serverIP := vethPair(t, cns, sns)
+				target := net.JoinHostPort(serverIP, "8079")
+				return listenIn(t, sns, target), dialIn(cns, target, "")
+			}},
+		}
+		for _, p := range paths {
+			t.Run(p.name, func(t *testing.T) {
+				ln, dial := p.ln(t)
+				defer ln.Close()
+				var wg sync.WaitGroup
+				errs := make([]error, conns)
+				for i := range conns {
+					client, server := pairedConn(t, a, ln, dial)
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						errs[i] = streamScenario(client, server, i%2 == 1)
+					}()
+				}
+				wg.Wait()
+				if err := errors.Join(errs...); err != nil {
+					t.Fatal(err)
+				}
+			})
+		}
+		if a != nil {
+			d := stats(t, a).Sub(before)
+			t.Logf("small_stream connections %d, backpressure %d, sockets left %d, redirected %d messages, passthrough %v",
+				d.PassthroughConnections["small_stream"], d.PassthroughConnections["backpressure"], d.LeftSockets,
+				d.RedirectedMessages, d.PassthroughByReason)
+			if got := d.PassthroughConnections["small_stream"]; got < 2*conns {
+				t.Fatalf("%d of %d connections went to TCP as small streams: the switch was not exercised", got, 2*conns)
+			}
+		}
+	})
+}
+
+// After the switch, both sockets are plain TCP sockets again: outside the
+// SOCKHASH, FIONREAD counts what arrived. A receiver that has not read its
+// redirected bytes stays in the SOCKHASH until it has (leaving would free
+// them), and reads them before the bytes that came by TCP.
+func TestPrivilegedSmallStreamSocketsLeave(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		ln := mustListen(t, "127.0.0.1:0")
+		defer ln.Close()
+		client, server := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+		up := &streamDir{w: client, r: server}
+		// Nobody reads: the first messages wait in the redirect queue, the
+		// rest (after the switch) in the TCP queue.
+		if err := up.send(SmallStreamRun+200, smallSize); err != nil {
+			t.Fatal(err)
+		}
+		if a != nil {
+			waitFor(t, "the writer to leave the SOCKHASH", func() bool { return !inSockhash(t, a, client) })
+			if !inSockhash(t, a, server) {
+				t.Fatal("the receiver left the SOCKHASH with redirected bytes unread: they would be lost")
+			}
+		}
+		if err := up.recv(up.written, false, false); err != nil {
+			t.Fatal(err)
+		}
+		// One more byte makes the receiver send (an ACK), where it leaves.
+		if a != nil {
+			waitFor(t, "the receiver to leave the SOCKHASH", func() bool {
+				if err := up.send(1, func(int) int { return 1 }); err != nil {
+					t.Fatal(err)
+				}
+				if err := up.recv(up.written, false, false); err != nil {
+					t.Fatal(err)
+				}
+				return !inSockhash(t, a, server)
+			})
+		}
+		// FIONREAD, both ways.
+		for _, d := range []*streamDir{up, {w: server, r: client}} {
+			if err := d.send(10, func(int) int { return 100 }); err != nil {
+				t.Fatal(err)
+			}
+			if err := awaitInq(d.r, 1000); err != nil {
+				t.Fatal(err)
+			}
+			if err := d.recv(d.written, false, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if a != nil {
+			s := stats(t, a)
+			if s.PassthroughConnections["small_stream"] != 1 || s.LeftSockets != 2 || s.RemovedSockets["small_stream"] != 2 {
+				t.Fatalf("counters: small_stream connections %d (want 1), left sockets %d (want 2), removed %v",
+					s.PassthroughConnections["small_stream"], s.LeftSockets, s.RemovedSockets)
+			}
+			if s.AcceleratedSockets != 0 {
+				t.Fatalf("%d sockets still counted as accelerated after both left", s.AcceleratedSockets)
+			}
+		}
+	})
+}
+
+// Request/response and large writes stay on the redirect, and
+// --keep-small-streams keeps small streams there too.
+func TestPrivilegedSmallStreamOnlySmallStreamsSwitch(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	cases := []struct {
+		name      string
+		cfg       Config
+		n         int
+		size      func(int) int
+		reply     bool
+		wantOnTCP bool
+	}{
+		{"request/response", Config{}, 500, smallSize, true, false},
+		{"large writes", Config{}, 200, func(int) int { return 32 << 10 }, false, false},
+		{"small stream", Config{}, 500, smallSize, false, true},
+		{"small stream, --keep-small-streams", Config{KeepSmallStreams: true}, 500, smallSize, false, false},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			a := startAgent(t, tc.cfg)
+			ln := mustListen(t, "127.0.0.1:0")
+			defer ln.Close()
+			client, server := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+			up, down := &streamDir{w: client, r: server}, &streamDir{w: server, r: client}
+			for i := range tc.n {
+				if err := up.send(1, func(int) int { return tc.size(i) }); err != nil {
+					t.Fatal(err)
+				}
+				if err := up.recv(up.written, false, false); err != nil {
+					t.Fatal(err)
+				}
+				if tc.reply {
+					if err := down.send(1, func(int) int { return 1 }); err != nil {
+						t.Fatal(err)
+					}
+					if err := down.recv(down.written, false, false); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			s := stats(t, a)
+			onTCP := s.PassthroughConnections["small_stream"] > 0
+			if onTCP != tc.wantOnTCP {
+				t.Fatalf("connection on TCP as a small stream: %v, want %v (passthrough %v)", onTCP, tc.wantOnTCP, s.PassthroughConnections)
+			}
+			if !tc.wantOnTCP && (s.PassthroughMessages != 0 || !inSockhash(t, a, client) || !inSockhash(t, a, server)) {
+				t.Fatalf("the connection left the redirect: %d messages through TCP %v", s.PassthroughMessages, s.PassthroughByReason)
+			}
+		})
+	}
+}
+
+func inSockhash(t *testing.T, a *Agent, c net.Conn) bool {
+	t.Helper()
+	return slices.Contains(sockhashCookies(t, a), socketCookie(t, c))
+}
+
+// waitFor polls cond (each call may drive traffic) for up to 5 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
