@@ -34,8 +34,8 @@ type Stats struct {
 	// LeftSockets counts paired sockets that left the SOCKHASH after their
 	// connection went to TCP (small_stream), once nothing
 	// redirected was in flight or unread: plain TCP sockets since.
-	LeftSockets uint64 `json:"left_sockets_total"`
-	SockhashFull   uint64            `json:"sockhash_full"`
+	LeftSockets  uint64 `json:"left_sockets_total"`
+	SockhashFull uint64 `json:"sockhash_full"`
 	// NATPortRemaps counts paired connections whose source port NAT
 	// rewrote between the two ends (conntrack under REDIRECT or DNAT).
 	NATPortRemaps uint64 `json:"nat_port_remapped_connections"`
