@@ -1374,12 +1374,21 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 		} else if (c && small_stream(st, c, size)) {
 			to_tcp(st, c, MW_REASON_SMALL_STREAM);
 		} else if (peer_backlog(st->peer_sk) + size > redirect_budget_bytes) {
-			/* This direction only: the other one may well stay fast. */
-			st->decision = MW_CONN_PASSTHROUGH;
-			st->reason = MW_REASON_BACKPRESSURE;
-			count_conn(MW_REASON_BACKPRESSURE);
-			if (c)
-				__sync_val_compare_and_swap(&c->dir[dir_index(st->role)], MW_DIR_REDIRECT, MW_DIR_TCP);
+			/*
+			 * A one-way stream (the peer never redirected) goes to TCP as a
+			 * whole, so that its sockets can leave; else this direction
+			 * only: the other one may well stay fast.
+			 */
+			if (c && c->dir[1 - dir_index(st->role)] == MW_DIR_UNDECIDED) {
+				to_tcp(st, c, MW_REASON_BACKPRESSURE);
+			} else {
+				st->decision = MW_CONN_PASSTHROUGH;
+				st->reason = MW_REASON_BACKPRESSURE;
+				count_conn(MW_REASON_BACKPRESSURE);
+				if (c)
+					__sync_val_compare_and_swap(&c->dir[dir_index(st->role)], MW_DIR_REDIRECT,
+								    MW_DIR_TCP);
+			}
 		} else if (bpf_msg_redirect_hash(msg, &mw_sock_hash, &st->peer, BPF_F_INGRESS) == SK_PASS) {
 			if (tap)
 				tap_record(msg, st, size);

@@ -62,11 +62,11 @@ const DefaultRedirectBudget = 1 << 20
 // writes SmallStreamRun messages without a message back, averaging fewer
 // bytes than the path's threshold, continues on TCP, which coalesces small
 // writes where a redirect pays one queued message and one wakeup per write
-// (docs/BENCHMARKS.md section 8 measured the thresholds: loopback loses up
-// to 4 KB, pod to pod below 256 B).
+// (docs/BENCHMARKS.md sections 2 and 8: a loopback stream redirected is
+// slower up to 16 KB writes, pod to pod below 256 B).
 const (
 	SmallStreamRun         = 16
-	SmallStreamLocalBytes  = 16 << 10 // both ends in one network namespace (loopback)
+	SmallStreamLocalBytes  = 32 << 10 // both ends in one network namespace (loopback)
 	SmallStreamRemoteBytes = 256      // across namespaces (veth)
 )
 

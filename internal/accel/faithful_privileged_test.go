@@ -145,6 +145,9 @@ func TestPrivilegedFaithfulSlowReader(t *testing.T) {
 			if s := stats(t, a); s.PassthroughConnections["backpressure"] == 0 {
 				t.Fatalf("the writer was not sent to TCP by backpressure: %v", s.PassthroughConnections)
 			}
+			// A one-way stream goes to TCP as a whole: once the reader has
+			// read the redirected bytes, both are plain TCP sockets.
+			requireOutsideSockhash(t, a, client, server)
 		}
 	})
 }

@@ -32,7 +32,7 @@ type Stats struct {
 	RemovedSockets map[string]uint64 `json:"removed_sockets_by_reason"`
 	PairedSockets  uint64            `json:"paired_sockets_total"`
 	// LeftSockets counts paired sockets that left the SOCKHASH after their
-	// connection went to TCP (small_stream), once nothing
+	// connection went to TCP as a whole (small_stream, one-way backpressure), once nothing
 	// redirected was in flight or unread: plain TCP sockets since.
 	LeftSockets  uint64 `json:"left_sockets_total"`
 	SockhashFull uint64 `json:"sockhash_full"`

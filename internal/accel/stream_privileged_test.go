@@ -309,7 +309,7 @@ func TestPrivilegedSmallStreamOnlySmallStreamsSwitch(t *testing.T) {
 		wantOnTCP bool
 	}{
 		{"request/response", Config{}, 500, smallSize, true, false},
-		{"large writes", Config{}, 200, func(int) int { return 32 << 10 }, false, false},
+		{"large writes", Config{}, 200, func(int) int { return 60 << 10 }, false, false},
 		{"small stream", Config{}, 500, smallSize, false, true},
 		{"small stream, --keep-small-streams", Config{KeepSmallStreams: true}, 500, smallSize, false, false},
 	}

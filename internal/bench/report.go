@@ -67,6 +67,7 @@ type AgentDelta struct {
 	// PassthroughConnections counts connections left to TCP, by reason (non-zero only).
 	PassthroughConnections map[string]uint64      `json:"passthrough_connections_by_reason,omitempty"`
 	NATPortRemaps          uint64                 `json:"nat_port_remapped_connections"`
+	LeftSockets            uint64                 `json:"left_sockets"`
 	Hops                   map[string]HopCounters `json:"by_hop,omitempty"`
 }
 

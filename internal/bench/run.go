@@ -67,6 +67,7 @@ func deltaOf(d accel.Stats) *AgentDelta {
 		PassthroughBytes:    d.PassthroughBytes,
 		PassthroughByReason: map[string]uint64{},
 		NATPortRemaps:       d.NATPortRemaps,
+		LeftSockets:         d.LeftSockets,
 		Hops:                d.Hops,
 	}
 	for k, v := range d.PassthroughByReason {

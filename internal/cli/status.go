@@ -40,9 +40,11 @@ attached). Counters are cumulative across agent restarts.
     key_collision   two live connections drew the same identity (both left to TCP)
     addr_mismatch   the peer saw another source address (SNAT): not provably a pair
     backpressure    the receiver left more than the redirect budget unread: that direction
-                    continues on TCP, whose flow control blocks the writer
+                    continues on TCP, whose flow control blocks the writer (the whole
+                    connection, and its sockets leave like small_stream's, when the
+                    receiver never sent)
     small_stream    one side wrote 16 messages without a message back, averaging under
-                    16 KB (loopback) or 256 B (across pods): TCP coalesces such writes,
+                    32 KB (loopback) or 256 B (across pods): TCP coalesces such writes,
                     the redirect pays per write, so the connection continues on TCP
                     (run --keep-small-streams turns this off)
     send_shutdown   a write after shutdown(SHUT_WR): TCP answers EPIPE (messages only)
@@ -65,8 +67,9 @@ attached). Counters are cumulative across agent restarts.
                           no_local_peer, policy or splice_reader connection) or taken out
                           of it once their connection was left to TCP: from then on they
                           are plain TCP sockets (no per-message cost, native FIONREAD and splice).
-                          A paired socket of a connection that went to TCP as a small_stream
-                          leaves once its redirected bytes are read
+                          A paired socket of a connection that went to TCP as a whole
+                          (small_stream, one-way backpressure) leaves once its redirected
+                          bytes are read
   left_sockets_total      those paired sockets that left (not counted as accelerated any more)
   other_sockmap_programs  sock_ops/sk_msg programs of other tools on this node; a socket
                           whose sk_msg belongs to them stays on TCP (sockmap_busy)

@@ -42,7 +42,7 @@ var (
 	descRemoved = prometheus.NewDesc("meshwarp_accel_removed_sockets_total",
 		"Sockets kept off the SOCKHASH or taken out of it again because their connection was left to TCP (plain TCP sockets from then on), by reason.", []string{"reason"}, nil)
 	descLeft = prometheus.NewDesc("meshwarp_accel_left_sockets_total",
-		"Paired sockets that left the SOCKHASH after their connection went to TCP (small_stream), once their redirected bytes were read.", nil, nil)
+		"Paired sockets that left the SOCKHASH after their connection went to TCP as a whole (small_stream, one-way backpressure), once their redirected bytes were read.", nil, nil)
 	descFull = prometheus.NewDesc("meshwarp_accel_sockhash_full_total",
 		"Sockets not accelerated because the SOCKHASH was at capacity.", nil, nil)
 	descHopConns = prometheus.NewDesc("meshwarp_accel_hop_paired_connections_total",

@@ -365,8 +365,9 @@ func (p *prober) receiveLimitation() {
 			"connection returns what is queued, MSG_OOB carries no urgent mark, and close() with unread " +
 			"bytes sends FIN, not RST, and connect(AF_UNSPEC) keeps unread redirected bytes for the socket's next connection. meshwarp watches these calls in the attached cgroup and keeps later " +
 			"connections on that socket's ports on TCP; the connection that revealed the call already ran " +
-			"accelerated. FIONREAD after a writer fell back to TCP (backpressure) counts only the redirected bytes " +
-			"(a small_stream connection's sockets leave the SOCKHASH once those are read: native FIONREAD from then on)",
+			"accelerated. FIONREAD after a writer fell back to TCP (backpressure) while the receiver also sends " +
+			"counts only the redirected bytes (when the whole connection went to TCP, small_stream or a one-way " +
+			"stream's backpressure, its sockets leave the SOCKHASH once those are read: native FIONREAD from then on)",
 		Fix: "exclude the ports of programs that rely on these up front: --exclude-ports"})
 }
 
