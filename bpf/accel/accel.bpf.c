@@ -1376,10 +1376,11 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 		} else if (peer_backlog(st->peer_sk) + size > redirect_budget_bytes) {
 			/*
 			 * A one-way stream (the peer never redirected) goes to TCP as a
-			 * whole, so that its sockets can leave; else this direction
+			 * whole, so that its sockets can leave (unless streams are to
+			 * stay redirected: stream_run_msgs 0); else this direction
 			 * only: the other one may well stay fast.
 			 */
-			if (c && c->dir[1 - dir_index(st->role)] == MW_DIR_UNDECIDED) {
+			if (stream_run_msgs && c && c->dir[1 - dir_index(st->role)] == MW_DIR_UNDECIDED) {
 				to_tcp(st, c, MW_REASON_BACKPRESSURE);
 			} else {
 				st->decision = MW_CONN_PASSTHROUGH;

@@ -98,8 +98,9 @@ type Config struct {
 	UnpairedTimeout time.Duration
 	// RedirectBudget: see DefaultRedirectBudget; 0 means that.
 	RedirectBudget uint32
-	// KeepSmallStreams keeps small-message streams on the redirect (see
-	// SmallStreamRun) instead of moving them to TCP.
+	// KeepSmallStreams keeps streams on the redirect: no small_stream (see
+	// SmallStreamRun), and backpressure moves only the writer's direction
+	// to TCP even when the receiver never sent.
 	KeepSmallStreams bool
 }
 

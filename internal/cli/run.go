@@ -94,7 +94,7 @@ connection; exclude them up front so that no connection is affected.`,
 	f.DurationVar(&o.unpaired, "unpaired-timeout", accel.DefaultUnpairedTimeout,
 		"how long a connecting socket whose listener is in the cgroup may wait for its peer to be established before it is left to TCP")
 	f.BoolVar(&o.keepSmallStreams, "keep-small-streams", false,
-		"keep small-message streams on the redirect (default: a connection whose one side writes many small messages without a reply continues on TCP, which is faster for it; see `meshwarp status` small_stream)")
+		"keep streams on the redirect (default: a connection whose one side writes many small messages without a reply, or outruns a receiver that never replies, continues on TCP, which is faster for it; see `meshwarp status` small_stream, backpressure)")
 	f.StringVar(&o.configFile, "config", "", "YAML policy file (include_ports, exclude_ports, include_cidrs, exclude_cidrs); SIGHUP reloads it")
 	f.BoolVar(&o.keepOnExit, "keep-on-exit", false, "leave the data path attached and pinned on exit (for restarts and upgrades)")
 	f.StringVar(&o.keepWhileDS, "keep-on-exit-while-daemonset", "", "namespace/name: keep the data path on exit only while this DaemonSet exists and is not being deleted")

@@ -42,7 +42,7 @@ attached). Counters are cumulative across agent restarts.
     backpressure    the receiver left more than the redirect budget unread: that direction
                     continues on TCP, whose flow control blocks the writer (the whole
                     connection, and its sockets leave like small_stream's, when the
-                    receiver never sent)
+                    receiver never sent; not with --keep-small-streams)
     small_stream    one side wrote 16 messages without a message back, averaging under
                     32 KB (loopback) or 256 B (across pods): TCP coalesces such writes,
                     the redirect pays per write, so the connection continues on TCP
