@@ -955,7 +955,7 @@ static __always_inline bool peer_quiet(const struct mw_conn *c, __u32 peer_dir)
 		return true;
 	psock = (struct sk_psock *)(user_data & ~(__u64)MW_SK_USER_DATA_FLAGS);
 	next = (__u64)BPF_CORE_READ(psock, link.next);
-	/* Linked to a map (not the last reference of a sendmsg after it left). */
+	/* In no map: the one reference left may be a running sendmsg's. */
 	if (next == (__u64)psock + bpf_core_field_offset(struct sk_psock, link))
 		return false;
 	return BPF_CORE_READ(psock, refcnt.refs.counter) == 1;
