@@ -102,7 +102,8 @@ func streamScenario(client, server net.Conn, slow bool) error {
 		run  func() error
 	}{
 		{"small stream client->server", func() error {
-			return both(func() error { return up.send(2000, smallSize) }, func() error { return up.recv(up.written+sumSizes(2000, smallSize), slow, false) })
+			total := up.written + sumSizes(2000, smallSize) // before the writer starts
+			return both(func() error { return up.send(2000, smallSize) }, func() error { return up.recv(total, slow, false) })
 		}},
 		{"request/response", func() error {
 			for range 50 {
@@ -139,7 +140,8 @@ func streamScenario(client, server net.Conn, slow bool) error {
 		}},
 		{"bulk", func() error {
 			size := func(int) int { return 60 << 10 }
-			return both(func() error { return down.send(40, size) }, func() error { return down.recv(down.written+sumSizes(40, size), slow, false) })
+			total := down.written + sumSizes(40, size)
+			return both(func() error { return down.send(40, size) }, func() error { return down.recv(total, slow, false) })
 		}},
 		{"half-close during a stream, then a stream back", func() error {
 			upTotal := up.written + sumSizes(1000, smallSize)
