@@ -118,28 +118,10 @@ func TestPrivilegedFaithfulSlowReader(t *testing.T) {
 			}
 			werr <- client.(*net.TCPConn).CloseWrite()
 		}()
-		buf := make([]byte, 256<<10)
-		var read int64
-		for {
-			n, err := server.Read(buf)
-			for i := range n {
-				if buf[i] != pattern(read+int64(i)) {
-					t.Fatalf("byte %d differs: stream out of order or corrupted", read+int64(i))
-				}
-			}
-			read += int64(n)
-			if err == io.EOF {
-				break
-			}
-			if err != nil {
-				t.Fatalf("read: %v", err)
-			}
-		}
-		if err := <-werr; err != nil {
+		// Every byte in order, then EOF after exactly total bytes.
+		rerr := (&streamDir{r: server}).recv(total, false, true)
+		if err := errors.Join(<-werr, rerr); err != nil {
 			t.Fatal(err)
-		}
-		if read != total {
-			t.Fatalf("read %d bytes, %d were written", read, total)
 		}
 		if a != nil {
 			if s := stats(t, a); s.PassthroughConnections["backpressure"] == 0 {
