@@ -439,6 +439,8 @@ static __always_inline __u32 socket_uid(struct bpf_sock *sk)
 	return tp->inet_conn.icsk_inet.sk.sk_uid.val;
 }
 
+#include "observe.h"
+
 /* Give up on a PENDING connection; whoever wins the cmpxchg writes the reason. */
 static __always_inline void conn_passthrough(struct mw_conn *c, __u32 reason)
 {
@@ -1031,6 +1033,8 @@ static __always_inline void on_close(struct bpf_sock *sk)
 		/* The active side may never have sent, so it may not know yet. */
 		if (c && c->state == MW_CONN_PAIRED && !st->left)
 			was_paired = true;
+		if (c)
+			obs_conn_end(sk, c);
 		/* Deleting the entry also cancels its timer. */
 		bpf_map_delete_elem(&mw_conns, &id);
 		st->owns_conn = 0;
@@ -1064,21 +1068,28 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	 * not a SYN being answered. Never set reply.
 	 */
 	if (op == BPF_SOCK_OPS_RWND_INIT) {
-		if (!sk)
+		if (!sk && accelerate)
 			on_syn(skops);
 		return 1;
 	}
 	if (!sk)
 		return 1;
+	/* Observation first: it may add STATE_CB to the flags the rest sets. */
 	switch (op) {
 	case BPF_SOCK_OPS_TCP_CONNECT_CB:
-		on_connect(skops, cb_flags);
+		cb_flags = obs_start(skops, sk, true, cb_flags);
+		if (accelerate)
+			on_connect(skops, cb_flags);
 		break;
 	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:
-		on_active_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
+		obs_established(skops, sk);
+		if (accelerate)
+			on_active_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
 		break;
 	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
-		on_passive_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
+		cb_flags = obs_start(skops, sk, false, cb_flags);
+		if (accelerate)
+			on_passive_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
 		break;
 	case BPF_SOCK_OPS_HDR_OPT_LEN_CB:
 		on_leave_check(skops, sk, cb_flags);
@@ -1086,10 +1097,14 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	case BPF_SOCK_OPS_STATE_CB:
 		if (new_state != BPF_TCP_CLOSE)
 			break;
-		if (old_state == BPF_TCP_SYN_SENT)
-			on_connect_failed(skops);
-		else
+		if (old_state == BPF_TCP_SYN_SENT) {
+			if (accelerate)
+				on_connect_failed(skops);
+		} else {
 			on_close(sk);
+		}
+		if (observe)
+			obs_end(sk, old_state);
 		break;
 	}
 	return 1;
@@ -1393,6 +1408,8 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 		} else if (bpf_msg_redirect_hash(msg, &mw_sock_hash, &st->peer, BPF_F_INGRESS) == SK_PASS) {
 			if (tap)
 				tap_record(msg, st, size);
+			if (observe && c)
+				obs_msg(msg, st, c, size);
 			st->sent += size;
 			if (cnt) {
 				cnt->redirected_msgs++;

@@ -128,6 +128,110 @@ struct mw_src_addr {
 };
 
 /*
+ * Where a request/response exchange (or a connection) was observed, from the
+ * client inwards: a request through two sidecars meets these points in this
+ * order, so the differences of their mean durations are the hops and
+ * proxies between them (`meshwarp trace`).
+ */
+enum mw_point {
+	MW_POINT_CLIENT = 0,       /* an application's connecting socket */
+	MW_POINT_OUTBOUND_IN = 1,  /* the sidecar's accepted socket on the outbound capture port */
+	MW_POINT_OUTBOUND_OUT = 2, /* the sidecar's connection to another pod */
+	MW_POINT_INBOUND_IN = 3,   /* the sidecar's accepted socket on the inbound capture port */
+	MW_POINT_INBOUND_OUT = 4,  /* the sidecar's connection to its own pod's application */
+	MW_POINT_SERVER = 5,       /* an application's accepted socket */
+	MW_POINT_MAX = 6,
+};
+
+enum mw_proto {
+	MW_PROTO_TCP = 0,
+	MW_PROTO_HTTP = 1, /* HTTP/1.x, by its request and status lines */
+};
+
+enum mw_method {
+	MW_METHOD_OTHER = 0,
+	MW_METHOD_GET = 1,
+	MW_METHOD_HEAD = 2,
+	MW_METHOD_POST = 3,
+	MW_METHOD_PUT = 4,
+	MW_METHOD_DELETE = 5,
+	MW_METHOD_CONNECT = 6,
+	MW_METHOD_OPTIONS = 7,
+	MW_METHOD_TRACE = 8,
+	MW_METHOD_PATCH = 9,
+	MW_METHOD_MAX = 10,
+};
+
+/* mw_flow_key.outcome of a TCP flow: how its connections ended. */
+enum mw_tcp_outcome {
+	MW_TCP_OPEN = 0,           /* bytes of connections still open (no duration) */
+	MW_TCP_CLOSED = 1,         /* closed with FIN */
+	MW_TCP_RESET = 2,          /* reset or aborted while established */
+	MW_TCP_CONNECT_FAILED = 3, /* the connect never succeeded */
+	MW_TCP_OUTCOME_MAX = 4,
+};
+
+/* Duration histogram buckets: the loader sets the bounds (obs_bounds_ns); the last bucket is +Inf. */
+#define MW_OBS_BUCKETS 24
+
+/* mw_flows key: one flow is what one point saw of one server, by outcome. */
+struct mw_flow_key {
+	__u64 netns;               /* netns cookie of the observing socket (its pod) */
+	struct mw_endpoint server; /* the endpoint the client dialled (the accepting side: its local endpoint) */
+	__u32 status;              /* HTTP only: the status code */
+	enum mw_point point;
+	enum mw_proto proto;
+	enum mw_method method;     /* HTTP only */
+	enum mw_tcp_outcome outcome; /* TCP only */
+	__u32 accelerated;         /* seen by sk_msg on a redirected connection */
+	__u32 _pad;
+};
+
+/* mw_flows value, updated with atomic adds. */
+struct mw_flow {
+	__u64 count;  /* HTTP: exchanges; TCP: connections ended */
+	__u64 sum_ns; /* of their durations (request to response; TCP: connection lifetime) */
+	__u64 bytes;  /* TCP MW_TCP_OPEN only: payload bytes both ways */
+	__u64 buckets[MW_OBS_BUCKETS]; /* count of durations <= obs_bounds_ns[i] (not cumulative) */
+};
+
+/*
+ * mw_obs_store value: what the observation knows of one socket, set when it
+ * connects or is established (sock_ops), used by the TCP path (cgroup_skb)
+ * and at close.
+ */
+struct mw_obs_sock {
+	__u64 netns;
+	struct mw_endpoint server;
+	__u32 point;      /* enum mw_point */
+	__u64 start_ns;   /* connect (failures) or established; 0 once its end was recorded */
+	__u64 req_ns;     /* TCP path: a request in flight since (0: none) */
+	__u64 bytes;      /* payload bytes not yet added to mw_flows */
+	__u64 flushed_ns; /* when they were last added */
+	__u32 req_method; /* enum mw_method of the request in flight */
+	__u32 req_egress; /* the request left through this socket (1) or arrived (0) */
+	__u32 snd_next;   /* end of the highest segment sent / received: retransmitted */
+	__u32 rcv_next;   /* segments are not parsed twice */
+	__u32 seq_set;    /* bit 0: snd_next set, bit 1: rcv_next set */
+	__u32 accelerated; /* its connection was paired (sk_msg saw it) */
+};
+
+/*
+ * What sk_msg observes of a paired connection (mw_conn.obs): a request in
+ * flight and the bytes redirected since they were last added to mw_flows.
+ */
+struct mw_obs_conn {
+	__u64 req_ns;
+	__u64 req_netns;
+	__u64 bytes;
+	struct mw_endpoint req_server;
+	__u32 req_role;   /* enum mw_role of the requesting side */
+	__u32 req_point;  /* its enum mw_point */
+	__u32 req_method;
+	__u32 _pad[2];
+};
+
+/*
  * mw_conns value, created by the active side at ESTABLISHED. Its timer takes
  * the active socket out of mw_sock_hash if the connection is not PAIRED
  * within unpaired_timeout_ns.
@@ -164,6 +268,7 @@ struct mw_conn {
 	enum mw_reason to_tcp_reason;
 	__u32 same_netns;       /* both sockets in one network namespace (loopback) */
 	__u32 last_sender;      /* role of the side that sent the last redirected message */
+	struct mw_obs_conn obs;
 };
 
 /*
@@ -231,6 +336,7 @@ struct mw_counters {
 	 * of their connection: from then on they are plain TCP sockets.
 	 */
 	__u64 sockets_removed[MW_REASON_MAX];
+	__u64 flows_full; /* observations lost: mw_flows was full */
 };
 
 /*

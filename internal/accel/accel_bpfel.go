@@ -47,6 +47,17 @@ type accelMwConn struct {
 	ToTcpReason     accelMwReason
 	SameNetns       uint32
 	LastSender      uint32
+	Obs             struct {
+		_         structs.HostLayout
+		ReqNs     uint64
+		ReqNetns  uint64
+		Bytes     uint64
+		ReqServer accelMwEndpoint
+		ReqRole   uint32
+		ReqPoint  uint32
+		ReqMethod uint32
+		Pad       [2]uint32
+	}
 }
 
 type accelMwConnId struct {
@@ -79,12 +90,34 @@ type accelMwCounters struct {
 	NatPortRemaps     uint64
 	UnfitCalls        [22]uint64
 	SocketsRemoved    [22]uint64
+	FlowsFull         uint64
 }
 
 type accelMwEndpoint struct {
 	_        structs.HostLayout
 	Addr     [4]uint32
 	PortHost uint32
+}
+
+type accelMwFlow struct {
+	_       structs.HostLayout
+	Count   uint64
+	SumNs   uint64
+	Bytes   uint64
+	Buckets [24]uint64
+}
+
+type accelMwFlowKey struct {
+	_           structs.HostLayout
+	Netns       uint64
+	Server      accelMwEndpoint
+	Status      uint32
+	Point       accelMwPoint
+	Proto       accelMwProto
+	Method      accelMwMethod
+	Outcome     accelMwTcpOutcome
+	Accelerated uint32
+	Pad         uint32
 }
 
 type accelMwHop uint32
@@ -97,11 +130,63 @@ const (
 	accelMwHopMW_HOP_MAX                accelMwHop = 4
 )
 
+type accelMwMethod uint32
+
+const (
+	accelMwMethodMW_METHOD_OTHER   accelMwMethod = 0
+	accelMwMethodMW_METHOD_GET     accelMwMethod = 1
+	accelMwMethodMW_METHOD_HEAD    accelMwMethod = 2
+	accelMwMethodMW_METHOD_POST    accelMwMethod = 3
+	accelMwMethodMW_METHOD_PUT     accelMwMethod = 4
+	accelMwMethodMW_METHOD_DELETE  accelMwMethod = 5
+	accelMwMethodMW_METHOD_CONNECT accelMwMethod = 6
+	accelMwMethodMW_METHOD_OPTIONS accelMwMethod = 7
+	accelMwMethodMW_METHOD_TRACE   accelMwMethod = 8
+	accelMwMethodMW_METHOD_PATCH   accelMwMethod = 9
+	accelMwMethodMW_METHOD_MAX     accelMwMethod = 10
+)
+
+type accelMwObsSock struct {
+	_           structs.HostLayout
+	Netns       uint64
+	Server      accelMwEndpoint
+	Point       uint32
+	StartNs     uint64
+	ReqNs       uint64
+	Bytes       uint64
+	FlushedNs   uint64
+	ReqMethod   uint32
+	ReqEgress   uint32
+	SndNext     uint32
+	RcvNext     uint32
+	SeqSet      uint32
+	Accelerated uint32
+}
+
+type accelMwPoint uint32
+
+const (
+	accelMwPointMW_POINT_CLIENT       accelMwPoint = 0
+	accelMwPointMW_POINT_OUTBOUND_IN  accelMwPoint = 1
+	accelMwPointMW_POINT_OUTBOUND_OUT accelMwPoint = 2
+	accelMwPointMW_POINT_INBOUND_IN   accelMwPoint = 3
+	accelMwPointMW_POINT_INBOUND_OUT  accelMwPoint = 4
+	accelMwPointMW_POINT_SERVER       accelMwPoint = 5
+	accelMwPointMW_POINT_MAX          accelMwPoint = 6
+)
+
 type accelMwPolicyCfg struct {
 	_               structs.HostLayout
 	IncludePortsSet uint32
 	IncludeCidrsSet uint32
 }
+
+type accelMwProto uint32
+
+const (
+	accelMwProtoMW_PROTO_TCP  accelMwProto = 0
+	accelMwProtoMW_PROTO_HTTP accelMwProto = 1
+)
 
 type accelMwReason uint32
 
@@ -165,6 +250,16 @@ type accelMwSrcAddr struct {
 	Remapped   uint32
 }
 
+type accelMwTcpOutcome uint32
+
+const (
+	accelMwTcpOutcomeMW_TCP_OPEN           accelMwTcpOutcome = 0
+	accelMwTcpOutcomeMW_TCP_CLOSED         accelMwTcpOutcome = 1
+	accelMwTcpOutcomeMW_TCP_RESET          accelMwTcpOutcome = 2
+	accelMwTcpOutcomeMW_TCP_CONNECT_FAILED accelMwTcpOutcome = 3
+	accelMwTcpOutcomeMW_TCP_OUTCOME_MAX    accelMwTcpOutcome = 4
+)
+
 type accelMwUnfitKey struct {
 	_      structs.HostLayout
 	Tgid   uint32
@@ -186,6 +281,8 @@ const (
 	accelMapMwCidrIncl             = "mw_cidr_incl"
 	accelMapMwConnecting           = "mw_connecting"
 	accelMapMwConns                = "mw_conns"
+	accelMapMwFlows                = "mw_flows"
+	accelMapMwObsStore             = "mw_obs_store"
 	accelMapMwPolicy               = "mw_policy"
 	accelMapMwPortPolicy           = "mw_port_policy"
 	accelMapMwSkStore              = "mw_sk_store"
@@ -198,6 +295,8 @@ const (
 	accelMapMwUnhinted             = "mw_unhinted"
 	accelProgMwCloseWatch          = "mw_close_watch"
 	accelProgMwConnectWatch        = "mw_connect_watch"
+	accelProgMwObsEgress           = "mw_obs_egress"
+	accelProgMwObsIngress          = "mw_obs_ingress"
 	accelProgMwRecvfromWatch       = "mw_recvfrom_watch"
 	accelProgMwRecvmmsgWatch       = "mw_recvmmsg_watch"
 	accelProgMwRecvmsgWatch        = "mw_recvmsg_watch"
@@ -208,7 +307,10 @@ const (
 	accelProgMwSkmsg               = "mw_skmsg"
 	accelProgMwSockops             = "mw_sockops"
 	accelProgMwSpliceWatch         = "mw_splice_watch"
+	accelVarAccelerate             = "accelerate"
 	accelVarInboundCapturePort     = "inbound_capture_port"
+	accelVarObsBoundsNs            = "obs_bounds_ns"
+	accelVarObserve                = "observe"
 	accelVarOutboundCapturePort    = "outbound_capture_port"
 	accelVarRedirectBudgetBytes    = "redirect_budget_bytes"
 	accelVarSidecarUid             = "sidecar_uid"
@@ -262,6 +364,8 @@ type accelSpecs struct {
 type accelProgramSpecs struct {
 	MwCloseWatch      *ebpf.ProgramSpec `ebpf:"mw_close_watch"`
 	MwConnectWatch    *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
+	MwObsEgress       *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
+	MwObsIngress      *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
 	MwRecvfromWatch   *ebpf.ProgramSpec `ebpf:"mw_recvfrom_watch"`
 	MwRecvmmsgWatch   *ebpf.ProgramSpec `ebpf:"mw_recvmmsg_watch"`
 	MwRecvmsgWatch    *ebpf.ProgramSpec `ebpf:"mw_recvmsg_watch"`
@@ -283,6 +387,8 @@ type accelMapSpecs struct {
 	MwCidrIncl   *ebpf.MapSpec `ebpf:"mw_cidr_incl"`
 	MwConnecting *ebpf.MapSpec `ebpf:"mw_connecting"`
 	MwConns      *ebpf.MapSpec `ebpf:"mw_conns"`
+	MwFlows      *ebpf.MapSpec `ebpf:"mw_flows"`
+	MwObsStore   *ebpf.MapSpec `ebpf:"mw_obs_store"`
 	MwPolicy     *ebpf.MapSpec `ebpf:"mw_policy"`
 	MwPortPolicy *ebpf.MapSpec `ebpf:"mw_port_policy"`
 	MwSkStore    *ebpf.MapSpec `ebpf:"mw_sk_store"`
@@ -299,7 +405,10 @@ type accelMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelVariableSpecs struct {
+	Accelerate             *ebpf.VariableSpec `ebpf:"accelerate"`
 	InboundCapturePort     *ebpf.VariableSpec `ebpf:"inbound_capture_port"`
+	ObsBoundsNs            *ebpf.VariableSpec `ebpf:"obs_bounds_ns"`
+	Observe                *ebpf.VariableSpec `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.VariableSpec `ebpf:"outbound_capture_port"`
 	RedirectBudgetBytes    *ebpf.VariableSpec `ebpf:"redirect_budget_bytes"`
 	SidecarUid             *ebpf.VariableSpec `ebpf:"sidecar_uid"`
@@ -334,6 +443,8 @@ type accelMaps struct {
 	MwCidrIncl   *ebpf.Map `ebpf:"mw_cidr_incl"`
 	MwConnecting *ebpf.Map `ebpf:"mw_connecting"`
 	MwConns      *ebpf.Map `ebpf:"mw_conns"`
+	MwFlows      *ebpf.Map `ebpf:"mw_flows"`
+	MwObsStore   *ebpf.Map `ebpf:"mw_obs_store"`
 	MwPolicy     *ebpf.Map `ebpf:"mw_policy"`
 	MwPortPolicy *ebpf.Map `ebpf:"mw_port_policy"`
 	MwSkStore    *ebpf.Map `ebpf:"mw_sk_store"`
@@ -353,6 +464,8 @@ func (m *accelMaps) Close() error {
 		m.MwCidrIncl,
 		m.MwConnecting,
 		m.MwConns,
+		m.MwFlows,
+		m.MwObsStore,
 		m.MwPolicy,
 		m.MwPortPolicy,
 		m.MwSkStore,
@@ -370,7 +483,10 @@ func (m *accelMaps) Close() error {
 //
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelVariables struct {
+	Accelerate             *ebpf.Variable `ebpf:"accelerate"`
 	InboundCapturePort     *ebpf.Variable `ebpf:"inbound_capture_port"`
+	ObsBoundsNs            *ebpf.Variable `ebpf:"obs_bounds_ns"`
+	Observe                *ebpf.Variable `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.Variable `ebpf:"outbound_capture_port"`
 	RedirectBudgetBytes    *ebpf.Variable `ebpf:"redirect_budget_bytes"`
 	SidecarUid             *ebpf.Variable `ebpf:"sidecar_uid"`
@@ -386,6 +502,8 @@ type accelVariables struct {
 type accelPrograms struct {
 	MwCloseWatch      *ebpf.Program `ebpf:"mw_close_watch"`
 	MwConnectWatch    *ebpf.Program `ebpf:"mw_connect_watch"`
+	MwObsEgress       *ebpf.Program `ebpf:"mw_obs_egress"`
+	MwObsIngress      *ebpf.Program `ebpf:"mw_obs_ingress"`
 	MwRecvfromWatch   *ebpf.Program `ebpf:"mw_recvfrom_watch"`
 	MwRecvmmsgWatch   *ebpf.Program `ebpf:"mw_recvmmsg_watch"`
 	MwRecvmsgWatch    *ebpf.Program `ebpf:"mw_recvmsg_watch"`
@@ -402,6 +520,8 @@ func (p *accelPrograms) Close() error {
 	return _AccelClose(
 		p.MwCloseWatch,
 		p.MwConnectWatch,
+		p.MwObsEgress,
+		p.MwObsIngress,
 		p.MwRecvfromWatch,
 		p.MwRecvmmsgWatch,
 		p.MwRecvmsgWatch,

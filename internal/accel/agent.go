@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"time"
@@ -77,7 +78,12 @@ const DefaultCapacity = 65536
 const (
 	sockopsLinkPin = "mw_sockops_link"
 	skmsgLinkPin   = "mw_skmsg_link"
+	obsEgressPin   = "mw_obs_egress_link"
+	obsIngressPin  = "mw_obs_ingress_link"
 )
+
+// linkPins are every link meshwarp pins, in the order they are removed.
+var linkPins = []string{sockopsLinkPin, skmsgLinkPin, obsEgressPin, obsIngressPin}
 
 // Config selects what the agent attaches to and what it accelerates.
 type Config struct {
@@ -102,6 +108,13 @@ type Config struct {
 	// SmallStreamRun), and backpressure moves only the writer's direction
 	// to TCP even when the receiver never sent.
 	KeepSmallStreams bool
+	// Observe records RED data (HTTP/1.x exchanges, TCP connections) of
+	// every connection of the cgroup, accelerated or not (bpf/accel/observe.h):
+	// /metrics, `meshwarp top`, `meshwarp trace`.
+	Observe bool
+	// ObserveOnly accelerates nothing: no socket joins the SOCKHASH (an
+	// observe-only node, or the baseline of the observation's own cost).
+	ObserveOnly bool
 }
 
 // DataPathConstants are the data path's load-time settings for cfg (the
@@ -151,6 +164,8 @@ type Agent struct {
 	objs    accelObjects
 	sockops link.Link
 	skmsg   link.Link
+	// obs are the observation's cgroup_skb links (egress, ingress), pinned like the rest.
+	obs []link.Link
 	// watches learn unfit sockets (watch.go) while this process runs: not
 	// pinned, so between agents nothing is learned, while the data path
 	// keeps running.
@@ -224,6 +239,11 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	consts["outbound_capture_port"] = uint32(cfg.OutboundPort)
 	consts["inbound_capture_port"] = uint32(cfg.InboundPort)
 	consts["unpaired_timeout_ns"] = uint64(cfg.UnpairedTimeout.Nanoseconds())
+	obs, err := obsConstants(cfg)
+	if err != nil {
+		return nil, err
+	}
+	maps.Copy(consts, obs)
 	for name, v := range consts {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, fmt.Errorf("set %s: %w", name, err)
@@ -268,6 +288,11 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	sockops := a.sockops
 	undo = append(undo, func() { sockops.Close() })
 
+	if err := a.attachObservation(); err != nil {
+		return nil, err
+	}
+	undo = append(undo, func() { a.closeObservation() })
+
 	a.watches, err = watchSyscalls(&a.objs, cfg.CgroupPath)
 	if err != nil {
 		// Acceleration works without them; what they learn is then not learned.
@@ -277,7 +302,7 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	}
 
 	logger.Info("acceleration attached", "cgroup", cfg.CgroupPath, "pin_dir", cfg.PinDir,
-		"adopted", a.Adopted, "capacity", cfg.SockhashCapacity)
+		"adopted", a.Adopted, "capacity", cfg.SockhashCapacity, "observe", cfg.Observe, "accelerate", !cfg.ObserveOnly)
 	return a, nil
 }
 
@@ -453,6 +478,7 @@ func (a *Agent) Close() error {
 	for _, l := range a.watches {
 		errs = append(errs, l.Close())
 	}
+	errs = append(errs, a.closeObservation())
 	if a.sockops != nil {
 		errs = append(errs, a.sockops.Close())
 	}
@@ -484,6 +510,10 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 		errs = append(errs, a.skmsg.Unpin(), a.skmsg.Close())
 		a.skmsg = nil
 	}
+	for _, l := range a.obs {
+		errs = append(errs, l.Unpin(), l.Close())
+	}
+	a.obs = nil
 	errs = append(errs, unpinMaps(a.cfg.PinDir))
 	errs = append(errs, a.Close())
 	errs = append(errs, removePinDir(a.cfg.PinDir))
@@ -533,7 +563,7 @@ func Cleanup(pinDir string) (CleanupResult, error) {
 	}
 	var errs []error
 	// Links first (they detach when their last reference goes), then maps.
-	names := append([]string{sockopsLinkPin, skmsgLinkPin}, mapNames()...)
+	names := append(append([]string(nil), linkPins...), mapNames()...)
 	for _, name := range names {
 		p := filepath.Join(pinDir, name)
 		if _, err := os.Lstat(p); err != nil {
@@ -576,4 +606,44 @@ func mapNames() []string {
 		}
 	}
 	return names
+}
+
+// attachObservation attaches (or adopts) the observation's cgroup_skb
+// programs when cfg.Observe, and detaches an earlier agent's otherwise.
+func (a *Agent) attachObservation() error {
+	progs := []struct {
+		pin    string
+		prog   *ebpf.Program
+		attach ebpf.AttachType
+	}{
+		{obsEgressPin, a.objs.MwObsEgress, ebpf.AttachCGroupInetEgress},
+		{obsIngressPin, a.objs.MwObsIngress, ebpf.AttachCGroupInetIngress},
+	}
+	for _, p := range progs {
+		pin := filepath.Join(a.cfg.PinDir, p.pin)
+		if !a.cfg.Observe {
+			if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return fmt.Errorf("detach observation (%s): %w", pin, err)
+			}
+			continue
+		}
+		l, err := attachOrUpdate(pin, p.prog, func() (link.Link, error) {
+			return link.AttachCgroup(link.CgroupOptions{Path: a.cfg.CgroupPath, Attach: p.attach, Program: p.prog})
+		}, func(l link.Link) error { return sameCgroup(l, a.cfg.CgroupPath) })
+		if err != nil {
+			return fmt.Errorf("attach observation to %s: %w", a.cfg.CgroupPath, err)
+		}
+		a.obs = append(a.obs, l)
+	}
+	return nil
+}
+
+// closeObservation releases this process's handles on the observation links.
+func (a *Agent) closeObservation() error {
+	var errs []error
+	for _, l := range a.obs {
+		errs = append(errs, l.Close())
+	}
+	a.obs = nil
+	return errors.Join(errs...)
 }

@@ -39,6 +39,8 @@ type Stats struct {
 	// NATPortRemaps counts paired connections whose source port NAT
 	// rewrote between the two ends (conntrack under REDIRECT or DNAT).
 	NATPortRemaps uint64 `json:"nat_port_remapped_connections"`
+	// FlowsFull counts observations lost because the flow table was full.
+	FlowsFull uint64 `json:"observe_flows_full"`
 	// Hops splits the redirect counters by mesh hop.
 	Hops map[string]HopStats `json:"hops"`
 	// SpliceSocketReads counts splice(2) calls reading a socket by processes
@@ -188,6 +190,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 		t.SockhashFull += c.SockhashFull
 		t.SpliceSocketReads += c.SpliceSocketReads
 		t.NatPortRemaps += c.NatPortRemaps
+		t.FlowsFull += c.FlowsFull
 		for i := range t.PassthroughMsgs {
 			t.PassthroughMsgs[i] += c.PassthroughMsgs[i]
 			t.PassthroughBytes[i] += c.PassthroughBytes[i]
@@ -209,6 +212,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 		SockhashFull:             t.SockhashFull,
 		SpliceSocketReads:        t.SpliceSocketReads,
 		NATPortRemaps:            t.NatPortRemaps,
+		FlowsFull:                t.FlowsFull,
 		PassthroughByReason:      map[string]uint64{},
 		PassthroughBytesByReason: map[string]uint64{},
 		PassthroughConnections:   map[string]uint64{},
@@ -256,6 +260,7 @@ func (s Stats) Sub(before Stats) Stats {
 	d.SockhashFull -= before.SockhashFull
 	d.SpliceSocketReads -= before.SpliceSocketReads
 	d.NATPortRemaps -= before.NATPortRemaps
+	d.FlowsFull -= before.FlowsFull
 	d.PassthroughByReason = subMap(s.PassthroughByReason, before.PassthroughByReason)
 	d.PassthroughBytesByReason = subMap(s.PassthroughBytesByReason, before.PassthroughBytesByReason)
 	d.PassthroughConnections = subMap(s.PassthroughConnections, before.PassthroughConnections)

@@ -30,6 +30,8 @@ type runOptions struct {
 	configFile       string
 	keepOnExit       bool
 	keepSmallStreams bool
+	observe          bool
+	accelerate       bool
 	keepWhileDS      string // namespace/name: keep on exit only while this DaemonSet stays
 	kubeconfig       string
 	policy           config.File
@@ -53,6 +55,13 @@ subtree is then paired at establishment and its bytes move socket-to-socket,
 skipping the TCP/IP stack and iptables. Connections opened before run
 started, to other hosts, excluded by policy, or that cannot be paired stay on
 the normal stack (see ` + "`meshwarp status`" + ` for counts by reason).
+
+Observation (--observe, on by default) records, for every connection of the
+cgroup whether accelerated or not, HTTP/1.x request rate, status and duration
+(from the request and status lines only) and TCP connections, resets and
+failed connects: served at /metrics as http_server_request_duration_seconds,
+http_client_request_duration_seconds and meshwarp_tcp_*, live in
+` + "`meshwarp top`" + `, per hop in ` + "`meshwarp trace`" + `. --accelerate=false observes only.
 
 Stopping:
   SIGINT/SIGTERM   detach and unpin (new connections use the normal stack;
@@ -95,6 +104,10 @@ connection; exclude them up front so that no connection is affected.`,
 		"how long a connecting socket whose listener is in the cgroup may wait for its peer to be established before it is left to TCP")
 	f.BoolVar(&o.keepSmallStreams, "keep-small-streams", false,
 		"keep streams on the redirect (default: a connection whose one side writes many small messages without a reply, or outruns a receiver that never replies, continues on TCP, which is faster for it; see `meshwarp status` small_stream, backpressure)")
+	f.BoolVar(&o.observe, "observe", true,
+		"record RED data of every connection of the cgroup, accelerated or not: HTTP/1.x request rate, status and duration, TCP connections and resets (/metrics, `meshwarp top`, `meshwarp trace`); its cost is in docs/BENCHMARKS.md")
+	f.BoolVar(&o.accelerate, "accelerate", true,
+		"pair and redirect connections; --accelerate=false observes only (needs --observe)")
 	f.StringVar(&o.configFile, "config", "", "YAML policy file (include_ports, exclude_ports, include_cidrs, exclude_cidrs); SIGHUP reloads it")
 	f.BoolVar(&o.keepOnExit, "keep-on-exit", false, "leave the data path attached and pinned on exit (for restarts and upgrades)")
 	f.StringVar(&o.keepWhileDS, "keep-on-exit-while-daemonset", "", "namespace/name: keep the data path on exit only while this DaemonSet exists and is not being deleted")
@@ -127,6 +140,9 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 	if o.unpaired < time.Millisecond || o.unpaired > time.Minute {
 		return usageError("--unpaired-timeout %v: give 1ms..1m (default %v)", o.unpaired, accel.DefaultUnpairedTimeout)
 	}
+	if !o.accelerate && !o.observe {
+		return usageError("--accelerate=false with --observe=false leaves nothing to do: keep one of them")
+	}
 	policy, err := o.loadPolicy()
 	if err != nil {
 		return withExit(ExitUsage, fmt.Errorf("invalid policy: %w", err))
@@ -158,6 +174,8 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 		SockhashCapacity: o.capacity,
 		UnpairedTimeout:  o.unpaired,
 		KeepSmallStreams: o.keepSmallStreams,
+		Observe:          o.observe,
+		ObserveOnly:      !o.accelerate,
 	}, logger)
 	if err != nil {
 		return err
@@ -180,11 +198,18 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 	ctx := cmd.Context()
 	var served <-chan error
 	if o.metricsAddr != "" {
-		if served, err = metrics.Serve(ctx, o.metricsAddr, agent.Stats, logger); err != nil {
+		if served, err = metrics.Serve(ctx, o.metricsAddr, agent.Stats, o.flowsFunc(agent), logger); err != nil {
 			return errors.Join(err, stop())
 		}
 	}
-	fmt.Fprintf(cmd.ErrOrStderr(), "meshwarp: accelerating TCP in cgroup %s (pins in %s); Ctrl-C to stop\n", o.cgroup, o.pinDir)
+	doing := "accelerating TCP"
+	switch {
+	case !o.accelerate:
+		doing = "observing TCP (not accelerating)"
+	case o.observe:
+		doing = "accelerating and observing TCP"
+	}
+	fmt.Fprintf(cmd.ErrOrStderr(), "meshwarp: %s in cgroup %s (pins in %s); Ctrl-C to stop\n", doing, o.cgroup, o.pinDir)
 
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
@@ -250,4 +275,12 @@ func (o *runOptions) daemonSetCheck() (func() (bool, string), error) {
 		defer cancel()
 		return kube.DaemonSetStays(ctx, client, ref)
 	}, nil
+}
+
+// flowsFunc serves the observation when it is on.
+func (o *runOptions) flowsFunc(a *accel.Agent) metrics.FlowsFunc {
+	if !o.observe {
+		return nil
+	}
+	return a.Flows
 }

@@ -95,7 +95,7 @@ func TestPrivilegedDashboardMetricsExist(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer a.Uninstall()
-	srv := httptest.NewServer(Handler(a.Stats))
+	srv := httptest.NewServer(Handler(a.Stats, nil))
 	defer srv.Close()
 	resp, err := http.Get(srv.URL + "/metrics")
 	if err != nil {

@@ -57,6 +57,8 @@ var (
 		"Connections paired although NAT (conntrack under REDIRECT or DNAT) rewrote their source port between the two ends.", nil, nil)
 	descUnfit = prometheus.NewDesc("meshwarp_accel_unfit_calls_total",
 		"Calls on accelerated sockets that a redirect cannot honour (splice, MSG_WAITALL, MSG_OOB, SO_RCVLOWAT, close with unread bytes), by the reason they teach: later connections on those ports stay on TCP.", []string{"reason"}, nil)
+	descFlowsFull = prometheus.NewDesc("meshwarp_observe_flows_full_total",
+		"Observations lost because the flow table (mw_flows) was full.", nil, nil)
 	descScrapeErr = prometheus.NewDesc("meshwarp_accel_scrape_error",
 		"1 if the last read of the BPF maps failed.", nil, nil)
 )
@@ -66,7 +68,7 @@ type accelCollector struct{ read StatsFunc }
 
 func (c accelCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descSockets, descRedirBytes, descRedirMsgs, descPassMsgs, descPassBytes,
-		descPassConns, descRemoved, descLeft, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descNATRemaps, descUnfit, descScrapeErr} {
+		descPassConns, descRemoved, descLeft, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descNATRemaps, descUnfit, descFlowsFull, descScrapeErr} {
 		ch <- d
 	}
 }
@@ -85,6 +87,7 @@ func (c accelCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descLeft, prometheus.CounterValue, float64(s.LeftSockets))
 	ch <- prometheus.MustNewConstMetric(descSplice, prometheus.CounterValue, float64(s.SpliceSocketReads))
 	ch <- prometheus.MustNewConstMetric(descNATRemaps, prometheus.CounterValue, float64(s.NATPortRemaps))
+	ch <- prometheus.MustNewConstMetric(descFlowsFull, prometheus.CounterValue, float64(s.FlowsFull))
 	for _, r := range accel.ReasonNames() {
 		ch <- prometheus.MustNewConstMetric(descPassMsgs, prometheus.CounterValue, float64(s.PassthroughByReason[r]), r)
 		ch <- prometheus.MustNewConstMetric(descPassBytes, prometheus.CounterValue, float64(s.PassthroughBytesByReason[r]), r)
@@ -102,9 +105,13 @@ func (c accelCollector) Collect(ch chan<- prometheus.Metric) {
 
 // NewRegistry returns a registry with the accel collector, build info and
 // the agent's own process cost (meshwarp_process_cpu_seconds_total, ...).
-func NewRegistry(read StatsFunc) *prometheus.Registry {
+// flows (nil when observation is off) adds the RED series (red.go).
+func NewRegistry(read StatsFunc, flows FlowsFunc) *prometheus.Registry {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(accelCollector{read: read})
+	if flows != nil {
+		reg.MustRegister(redCollector{read: flows})
+	}
 	reg.MustRegister(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{Namespace: "meshwarp"}))
 	build := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name:        "meshwarp_build_info",
@@ -117,9 +124,9 @@ func NewRegistry(read StatsFunc) *prometheus.Registry {
 }
 
 // Handler serves /metrics and /healthz (200 while the maps can be read).
-func Handler(read StatsFunc) http.Handler {
+func Handler(read StatsFunc, flows FlowsFunc) http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle("/metrics", promhttp.HandlerFor(NewRegistry(read), promhttp.HandlerOpts{}))
+	mux.Handle("/metrics", promhttp.HandlerFor(NewRegistry(read, flows), promhttp.HandlerOpts{}))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 		if _, err := read(); err != nil {
 			http.Error(w, "unhealthy: "+err.Error(), http.StatusServiceUnavailable)
@@ -132,12 +139,12 @@ func Handler(read StatsFunc) http.Handler {
 
 // Serve listens on addr and serves Handler until ctx is done. The listener
 // is opened before Serve returns so a bad address fails fast.
-func Serve(ctx context.Context, addr string, read StatsFunc, logger *slog.Logger) (<-chan error, error) {
+func Serve(ctx context.Context, addr string, read StatsFunc, flows FlowsFunc, logger *slog.Logger) (<-chan error, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("listen for metrics on %s: %w (pass --metrics-addr with a free port, or \"\" to disable)", addr, err)
 	}
-	srv := &http.Server{Handler: Handler(read), ReadHeaderTimeout: 5 * time.Second}
+	srv := &http.Server{Handler: Handler(read, flows), ReadHeaderTimeout: 5 * time.Second}
 	done := make(chan error, 1)
 	go func() {
 		err := srv.Serve(ln)

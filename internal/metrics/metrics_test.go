@@ -23,7 +23,7 @@ func TestMetricsFromStats(t *testing.T) {
 			Hops:                map[string]accel.HopStats{"app_to_sidecar": {RedirectedBytes: 512}},
 		}, nil
 	}
-	srv := httptest.NewServer(Handler(read))
+	srv := httptest.NewServer(Handler(read, nil))
 	defer srv.Close()
 	body := get(t, srv.URL+"/metrics")
 	for _, want := range []string{
@@ -46,7 +46,7 @@ func TestMetricsFromStats(t *testing.T) {
 }
 
 func TestHealthzFailsWhenMapsUnreadable(t *testing.T) {
-	srv := httptest.NewServer(Handler(func() (accel.Stats, error) { return accel.Stats{}, errors.New("gone") }))
+	srv := httptest.NewServer(Handler(func() (accel.Stats, error) { return accel.Stats{}, errors.New("gone") }, nil))
 	defer srv.Close()
 	resp, err := srv.Client().Get(srv.URL + "/healthz")
 	if err != nil {

@@ -73,7 +73,8 @@ var programTypes = []struct {
 }{
 	{"prog sock_ops", ebpf.SockOps, true, "registers sockets as TCP connections establish", configCgroup},
 	{"prog sk_msg", ebpf.SkMsg, true, "redirects sendmsg data to the peer socket", configSockMsg},
-	{"prog tracepoint", ebpf.TracePoint, false, "observability of non-accelerated traffic", configTrace},
+	{"prog tracepoint", ebpf.TracePoint, false, "syscall watches (what a redirect cannot honour)", configTrace},
+	{"prog cgroup_skb", ebpf.CGroupSKB, false, "observation of connections that are not accelerated (run --observe)", configCgroup},
 }
 
 func (p *prober) programTypes() {
@@ -132,6 +133,9 @@ var helpers = []struct {
 	{ebpf.SkMsg, "sk_msg", asm.FnMsgPullData, "bpf_msg_pull_data", "meshwarp tap: reads the message payload", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnRingbufOutput, "bpf_ringbuf_output", "meshwarp tap: hands messages to user space", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnGetNetnsCookie, "bpf_get_netns_cookie", "meshwarp tap --pod/--netns", configSockMsg},
+	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkFullsock, "bpf_sk_fullsock", "observation: the segment's socket", configCgroup},
+	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkStorageGet, "bpf_sk_storage_get", "observation: per-socket state", configCgroup},
+	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkbLoadBytes, "bpf_skb_load_bytes", "observation: the segment's first bytes", configCgroup},
 	{ebpf.TracePoint, "tracepoint", asm.FnProbeReadUser, "bpf_probe_read_user", "reads the value of setsockopt(SO_RCVLOWAT) (syscall watch)", configTrace},
 }
 

@@ -47,6 +47,17 @@ type tapMwConn struct {
 	ToTcpReason     uint32
 	SameNetns       uint32
 	LastSender      uint32
+	Obs             struct {
+		_         structs.HostLayout
+		ReqNs     uint64
+		ReqNetns  uint64
+		Bytes     uint64
+		ReqServer tapMwEndpoint
+		ReqRole   uint32
+		ReqPoint  uint32
+		ReqMethod uint32
+		Pad       [2]uint32
+	}
 }
 
 type tapMwConnId struct {
@@ -79,12 +90,51 @@ type tapMwCounters struct {
 	NatPortRemaps     uint64
 	UnfitCalls        [22]uint64
 	SocketsRemoved    [22]uint64
+	FlowsFull         uint64
 }
 
 type tapMwEndpoint struct {
 	_        structs.HostLayout
 	Addr     [4]uint32
 	PortHost uint32
+}
+
+type tapMwFlow struct {
+	_       structs.HostLayout
+	Count   uint64
+	SumNs   uint64
+	Bytes   uint64
+	Buckets [24]uint64
+}
+
+type tapMwFlowKey struct {
+	_           structs.HostLayout
+	Netns       uint64
+	Server      tapMwEndpoint
+	Status      uint32
+	Point       uint32
+	Proto       uint32
+	Method      uint32
+	Outcome     uint32
+	Accelerated uint32
+	Pad         uint32
+}
+
+type tapMwObsSock struct {
+	_           structs.HostLayout
+	Netns       uint64
+	Server      tapMwEndpoint
+	Point       uint32
+	StartNs     uint64
+	ReqNs       uint64
+	Bytes       uint64
+	FlushedNs   uint64
+	ReqMethod   uint32
+	ReqEgress   uint32
+	SndNext     uint32
+	RcvNext     uint32
+	SeqSet      uint32
+	Accelerated uint32
 }
 
 type tapMwPolicyCfg struct {
@@ -175,6 +225,8 @@ const (
 	tapMapMwCidrIncl             = "mw_cidr_incl"
 	tapMapMwConnecting           = "mw_connecting"
 	tapMapMwConns                = "mw_conns"
+	tapMapMwFlows                = "mw_flows"
+	tapMapMwObsStore             = "mw_obs_store"
 	tapMapMwPolicy               = "mw_policy"
 	tapMapMwPortPolicy           = "mw_port_policy"
 	tapMapMwSkStore              = "mw_sk_store"
@@ -190,6 +242,8 @@ const (
 	tapMapMwUnhinted             = "mw_unhinted"
 	tapProgMwCloseWatch          = "mw_close_watch"
 	tapProgMwConnectWatch        = "mw_connect_watch"
+	tapProgMwObsEgress           = "mw_obs_egress"
+	tapProgMwObsIngress          = "mw_obs_ingress"
 	tapProgMwRecvfromWatch       = "mw_recvfrom_watch"
 	tapProgMwRecvmmsgWatch       = "mw_recvmmsg_watch"
 	tapProgMwRecvmsgWatch        = "mw_recvmsg_watch"
@@ -201,7 +255,10 @@ const (
 	tapProgMwSkmsgTap            = "mw_skmsg_tap"
 	tapProgMwSockops             = "mw_sockops"
 	tapProgMwSpliceWatch         = "mw_splice_watch"
+	tapVarAccelerate             = "accelerate"
 	tapVarInboundCapturePort     = "inbound_capture_port"
+	tapVarObsBoundsNs            = "obs_bounds_ns"
+	tapVarObserve                = "observe"
 	tapVarOutboundCapturePort    = "outbound_capture_port"
 	tapVarRedirectBudgetBytes    = "redirect_budget_bytes"
 	tapVarSidecarUid             = "sidecar_uid"
@@ -258,6 +315,8 @@ type tapSpecs struct {
 type tapProgramSpecs struct {
 	MwCloseWatch      *ebpf.ProgramSpec `ebpf:"mw_close_watch"`
 	MwConnectWatch    *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
+	MwObsEgress       *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
+	MwObsIngress      *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
 	MwRecvfromWatch   *ebpf.ProgramSpec `ebpf:"mw_recvfrom_watch"`
 	MwRecvmmsgWatch   *ebpf.ProgramSpec `ebpf:"mw_recvmmsg_watch"`
 	MwRecvmsgWatch    *ebpf.ProgramSpec `ebpf:"mw_recvmsg_watch"`
@@ -280,6 +339,8 @@ type tapMapSpecs struct {
 	MwCidrIncl    *ebpf.MapSpec `ebpf:"mw_cidr_incl"`
 	MwConnecting  *ebpf.MapSpec `ebpf:"mw_connecting"`
 	MwConns       *ebpf.MapSpec `ebpf:"mw_conns"`
+	MwFlows       *ebpf.MapSpec `ebpf:"mw_flows"`
+	MwObsStore    *ebpf.MapSpec `ebpf:"mw_obs_store"`
 	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
@@ -299,7 +360,10 @@ type tapMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type tapVariableSpecs struct {
+	Accelerate             *ebpf.VariableSpec `ebpf:"accelerate"`
 	InboundCapturePort     *ebpf.VariableSpec `ebpf:"inbound_capture_port"`
+	ObsBoundsNs            *ebpf.VariableSpec `ebpf:"obs_bounds_ns"`
+	Observe                *ebpf.VariableSpec `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.VariableSpec `ebpf:"outbound_capture_port"`
 	RedirectBudgetBytes    *ebpf.VariableSpec `ebpf:"redirect_budget_bytes"`
 	SidecarUid             *ebpf.VariableSpec `ebpf:"sidecar_uid"`
@@ -337,6 +401,8 @@ type tapMaps struct {
 	MwCidrIncl    *ebpf.Map `ebpf:"mw_cidr_incl"`
 	MwConnecting  *ebpf.Map `ebpf:"mw_connecting"`
 	MwConns       *ebpf.Map `ebpf:"mw_conns"`
+	MwFlows       *ebpf.Map `ebpf:"mw_flows"`
+	MwObsStore    *ebpf.Map `ebpf:"mw_obs_store"`
 	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
@@ -359,6 +425,8 @@ func (m *tapMaps) Close() error {
 		m.MwCidrIncl,
 		m.MwConnecting,
 		m.MwConns,
+		m.MwFlows,
+		m.MwObsStore,
 		m.MwPolicy,
 		m.MwPortPolicy,
 		m.MwSkStore,
@@ -379,7 +447,10 @@ func (m *tapMaps) Close() error {
 //
 // It can be passed to loadTapObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tapVariables struct {
+	Accelerate             *ebpf.Variable `ebpf:"accelerate"`
 	InboundCapturePort     *ebpf.Variable `ebpf:"inbound_capture_port"`
+	ObsBoundsNs            *ebpf.Variable `ebpf:"obs_bounds_ns"`
+	Observe                *ebpf.Variable `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.Variable `ebpf:"outbound_capture_port"`
 	RedirectBudgetBytes    *ebpf.Variable `ebpf:"redirect_budget_bytes"`
 	SidecarUid             *ebpf.Variable `ebpf:"sidecar_uid"`
@@ -398,6 +469,8 @@ type tapVariables struct {
 type tapPrograms struct {
 	MwCloseWatch      *ebpf.Program `ebpf:"mw_close_watch"`
 	MwConnectWatch    *ebpf.Program `ebpf:"mw_connect_watch"`
+	MwObsEgress       *ebpf.Program `ebpf:"mw_obs_egress"`
+	MwObsIngress      *ebpf.Program `ebpf:"mw_obs_ingress"`
 	MwRecvfromWatch   *ebpf.Program `ebpf:"mw_recvfrom_watch"`
 	MwRecvmmsgWatch   *ebpf.Program `ebpf:"mw_recvmmsg_watch"`
 	MwRecvmsgWatch    *ebpf.Program `ebpf:"mw_recvmsg_watch"`
@@ -415,6 +488,8 @@ func (p *tapPrograms) Close() error {
 	return _TapClose(
 		p.MwCloseWatch,
 		p.MwConnectWatch,
+		p.MwObsEgress,
+		p.MwObsIngress,
 		p.MwRecvfromWatch,
 		p.MwRecvmmsgWatch,
 		p.MwRecvmsgWatch,

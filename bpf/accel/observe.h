@@ -1,0 +1,429 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * Observation (`meshwarp run --observe`): RED data for every connection of
+ * the cgroup, accelerated or not, into mw_flows (Go renders the Prometheus
+ * series, `meshwarp top` and `meshwarp trace` from it).
+ *
+ *   sock_ops     classifies each socket once (enum mw_point) when it
+ *                connects or is established, and records how it ends
+ *                (TCP flows: closed, reset, connect failed, with lifetime).
+ *   sk_msg       paired connections: their bytes never become packets, so
+ *                the redirect itself looks at each message's first bytes.
+ *   cgroup_skb   every other connection: the first bytes of each segment
+ *                (retransmissions skipped by sequence number).
+ * HTTP/1.x only by its first line ("shallow parsing"): a request line starts
+ * an exchange, the next final status line (>= 200) the other way ends it.
+ * One exchange in flight per connection: a pipelined request replaces the
+ * one before it. The programs never change a packet's or message's fate.
+ *
+ * Included by accel.bpf.c (one object: the maps and constants are shared).
+ */
+#ifndef MESHWARP_OBSERVE_H
+#define MESHWARP_OBSERVE_H
+
+/* Set by the loader (internal/accel Config: Observe, Accelerate, the bucket bounds). */
+const volatile __u32 observe;
+const volatile __u32 accelerate = 1;
+const volatile __u64 obs_bounds_ns[MW_OBS_BUCKETS - 1];
+
+/* Bytes are added to mw_flows at least this often per connection (and at its end). */
+#define MW_OBS_FLUSH_NS (1000ULL * 1000 * 1000)
+/* Bytes of a message or segment looked at: the longest line start we match. */
+#define MW_OBS_PEEK 12
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct mw_flow_key);
+	__type(value, struct mw_flow);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_flows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct mw_obs_sock);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_obs_store SEC(".maps");
+
+#define MW_EEXIST 17
+
+/* Add one observation (counted) or bytes to k's flow; a full mw_flows counts in flows_full. */
+static __always_inline void obs_add(const struct mw_flow_key *k, __u64 d_ns, __u64 bytes, bool counted)
+{
+	struct mw_flow zero = {}, *f;
+	__u32 i;
+
+	f = bpf_map_lookup_elem(&mw_flows, k);
+	if (!f) {
+		long err = bpf_map_update_elem(&mw_flows, k, &zero, BPF_NOEXIST);
+
+		if (err && err != -MW_EEXIST) {
+			struct mw_counters *c = counters();
+
+			if (c)
+				c->flows_full++;
+			return;
+		}
+		f = bpf_map_lookup_elem(&mw_flows, k);
+		if (!f)
+			return;
+	}
+	if (bytes)
+		__sync_fetch_and_add(&f->bytes, bytes);
+	if (!counted)
+		return;
+	__sync_fetch_and_add(&f->count, 1);
+	__sync_fetch_and_add(&f->sum_ns, d_ns);
+	for (i = 0; i < MW_OBS_BUCKETS - 1; i++) {
+		if (d_ns <= obs_bounds_ns[i])
+			break;
+	}
+	if (i < MW_OBS_BUCKETS)
+		__sync_fetch_and_add(&f->buckets[i], 1);
+}
+
+/* Little-endian word of up to 8 characters (how the first bytes load). */
+#define MW_W8(a, b, c, d, e, f, g, h)                                                              \
+	((__u64)(a) | (__u64)(b) << 8 | (__u64)(c) << 16 | (__u64)(d) << 24 | (__u64)(e) << 32 |      \
+	 (__u64)(f) << 40 | (__u64)(g) << 48 | (__u64)(h) << 56)
+#define MW_MASK(n) ((n) == 8 ? ~0ULL : ((1ULL << ((n) * 8)) - 1))
+
+enum { MW_HTTP_NONE = 0, MW_HTTP_REQUEST = 1, MW_HTTP_RESPONSE = 2 };
+
+/*
+ * A request line's method (with its space) or a final status line's code at
+ * the start of b. Anything else is not the start of an HTTP/1.x message.
+ */
+static __always_inline __u32 http_start(const __u8 *b, __u32 *method, __u32 *status)
+{
+	__u64 w = 0;
+
+	__builtin_memcpy(&w, b, 8);
+#define MW_IS(s, n, a, b_, c, d, e, f, g, h) ((w & MW_MASK(n)) == (MW_W8(a, b_, c, d, e, f, g, h) & MW_MASK(n)))
+	if (MW_IS("GET ", 4, 'G', 'E', 'T', ' ', 0, 0, 0, 0))
+		*method = MW_METHOD_GET;
+	else if (MW_IS("POST ", 5, 'P', 'O', 'S', 'T', ' ', 0, 0, 0))
+		*method = MW_METHOD_POST;
+	else if (MW_IS("PUT ", 4, 'P', 'U', 'T', ' ', 0, 0, 0, 0))
+		*method = MW_METHOD_PUT;
+	else if (MW_IS("HEAD ", 5, 'H', 'E', 'A', 'D', ' ', 0, 0, 0))
+		*method = MW_METHOD_HEAD;
+	else if (MW_IS("DELETE ", 7, 'D', 'E', 'L', 'E', 'T', 'E', ' ', 0))
+		*method = MW_METHOD_DELETE;
+	else if (MW_IS("PATCH ", 6, 'P', 'A', 'T', 'C', 'H', ' ', 0, 0))
+		*method = MW_METHOD_PATCH;
+	else if (MW_IS("OPTIONS ", 8, 'O', 'P', 'T', 'I', 'O', 'N', 'S', ' '))
+		*method = MW_METHOD_OPTIONS;
+	else if (MW_IS("CONNECT ", 8, 'C', 'O', 'N', 'N', 'E', 'C', 'T', ' '))
+		*method = MW_METHOD_CONNECT;
+	else if (MW_IS("TRACE ", 6, 'T', 'R', 'A', 'C', 'E', ' ', 0, 0))
+		*method = MW_METHOD_TRACE;
+	else if (MW_IS("HTTP/1.", 7, 'H', 'T', 'T', 'P', '/', '1', '.', 0) && b[8] == ' ') {
+		__u8 d1 = b[9] - '0', d2 = b[10] - '0', d3 = b[11] - '0';
+
+		if (d1 > 9 || d2 > 9 || d3 > 9 || d1 < 2)
+			return MW_HTTP_NONE; /* 1xx is not the final answer */
+		*status = d1 * 100 + d2 * 10 + d3;
+		return MW_HTTP_RESPONSE;
+	} else
+		return MW_HTTP_NONE;
+#undef MW_IS
+	return MW_HTTP_REQUEST;
+}
+
+/* Both ends in this host's view of one machine: loopback or the socket's own address. */
+static __always_inline bool local_remote(const struct mw_tuple *t)
+{
+	/* v4-mapped: addr[3] holds the IPv4 address in network order (127/8: first byte 127). */
+	if (t->remote.addr[0] == 0 && t->remote.addr[1] == 0 && t->remote.addr[2] == bpf_htonl(0xffff) &&
+	    (t->remote.addr[3] & 0xff) == 127)
+		return true;
+	if (t->remote.addr[0] == 0 && t->remote.addr[1] == 0 && t->remote.addr[2] == 0 &&
+	    t->remote.addr[3] == bpf_htonl(1))
+		return true;
+	return addr_eq(&t->local, &t->remote);
+}
+
+/*
+ * The point a socket observes from: connecting sockets by owner (the sidecar
+ * uid's connections to its own pod are its inbound side), accepted ones by
+ * the port they were captured to.
+ */
+static __always_inline __u32 obs_point(struct bpf_sock *sk, const struct mw_tuple *t, bool active)
+{
+	if (active) {
+		if (socket_uid(sk) != sidecar_uid)
+			return MW_POINT_CLIENT;
+		return local_remote(t) ? MW_POINT_INBOUND_OUT : MW_POINT_OUTBOUND_OUT;
+	}
+	if (t->local.port_host == outbound_capture_port)
+		return MW_POINT_OUTBOUND_IN;
+	if (t->local.port_host == inbound_capture_port)
+		return MW_POINT_INBOUND_IN;
+	return MW_POINT_SERVER;
+}
+
+static __always_inline void obs_flow_key(struct mw_flow_key *k, const struct mw_obs_sock *o, __u32 proto)
+{
+	k->server = o->server;
+	k->netns = o->netns;
+	k->point = o->point;
+	k->proto = proto;
+}
+
+/* Add o's unflushed bytes to its TCP flow. */
+static __always_inline void obs_flush(struct mw_obs_sock *o, __u64 now)
+{
+	struct mw_flow_key k = {};
+	__u64 b = o->bytes;
+
+	o->flushed_ns = now;
+	if (!b)
+		return;
+	o->bytes = 0;
+	obs_flow_key(&k, o, MW_PROTO_TCP);
+	k.outcome = MW_TCP_OPEN;
+	k.accelerated = o->accelerated;
+	obs_add(&k, 0, b, false);
+}
+
+/*
+ * sock_ops: a socket connects (active) or is established. Returns the
+ * socket's callback flags with STATE_CB (its end is observed).
+ */
+static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_sock *sk, bool active, __u32 cb_flags)
+{
+	struct mw_obs_sock *o;
+	struct mw_tuple t = {};
+
+	if (!observe)
+		return cb_flags;
+	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!o)
+		return cb_flags;
+	sockops_tuple(skops, &t);
+	__builtin_memset(o, 0, sizeof(*o));
+	o->server = active ? t.remote : t.local;
+	o->netns = bpf_get_netns_cookie(skops);
+	o->point = obs_point(sk, &t, active);
+	o->start_ns = bpf_ktime_get_ns();
+	o->flushed_ns = o->start_ns;
+	if (!(cb_flags & BPF_SOCK_OPS_STATE_CB_FLAG)) {
+		cb_flags |= BPF_SOCK_OPS_STATE_CB_FLAG;
+		bpf_sock_ops_cb_flags_set(skops, cb_flags);
+	}
+	return cb_flags;
+}
+
+/* sock_ops: an established connection's socket is now established (not just connecting). */
+static __always_inline void obs_established(struct bpf_sock_ops *skops, struct bpf_sock *sk)
+{
+	struct mw_obs_sock *o;
+
+	if (!observe)
+		return;
+	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
+	if (o)
+		o->start_ns = o->flushed_ns = bpf_ktime_get_ns();
+}
+
+/* sock_ops STATE_CB to CLOSE: how the connection ended, and its lifetime. */
+static __always_inline void obs_end(struct bpf_sock *sk, __u32 old_state)
+{
+	struct mw_obs_sock *o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
+	struct mw_flow_key k = {};
+	__u64 now;
+
+	if (!o || !o->start_ns)
+		return;
+	now = bpf_ktime_get_ns();
+	obs_flush(o, now);
+	obs_flow_key(&k, o, MW_PROTO_TCP);
+	k.accelerated = o->accelerated;
+	if (old_state == BPF_TCP_SYN_SENT)
+		k.outcome = MW_TCP_CONNECT_FAILED;
+	else if (old_state == BPF_TCP_ESTABLISHED || old_state == BPF_TCP_CLOSE_WAIT || old_state == BPF_TCP_SYN_RECV)
+		k.outcome = MW_TCP_RESET;
+	else
+		k.outcome = MW_TCP_CLOSED;
+	obs_add(&k, now - o->start_ns, 0, true);
+	o->start_ns = 0; /* once: a socket reconnected after connect(AF_UNSPEC) starts again */
+}
+
+/* One HTTP exchange ended: record it at point k (status, method set by the caller). */
+static __always_inline void obs_exchange(struct mw_flow_key *k, __u64 d_ns)
+{
+	k->proto = MW_PROTO_HTTP;
+	obs_add(k, d_ns, 0, true);
+}
+
+/*
+ * sk_msg: a message of a paired connection was redirected. The exchange in
+ * flight lives in the connection (mw_conn.obs): its response is sent by the
+ * other socket. Both points of the connection record it, with one duration
+ * (the redirect has no transit of its own to measure).
+ */
+static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *st, struct mw_conn *c, __u32 size)
+{
+	struct mw_obs_sock *o = bpf_sk_storage_get(&mw_obs_store, msg->sk, 0, 0);
+	__u32 kind = MW_HTTP_NONE, method = MW_METHOD_OTHER, status = 0;
+	struct mw_flow_key k = {};
+	__u8 buf[MW_OBS_PEEK] = {};
+	void *data, *end;
+	__u64 now, d, b;
+
+	if (!o)
+		return; /* established before observation started */
+	o->accelerated = 1;
+	now = bpf_ktime_get_ns();
+	if (size >= MW_OBS_PEEK) {
+		data = (void *)(long)msg->data;
+		end = (void *)(long)msg->data_end;
+		/* Pulled (copied) only when the first page holds fewer bytes. */
+		if (data + MW_OBS_PEEK > end && bpf_msg_pull_data(msg, 0, MW_OBS_PEEK, 0) == 0) {
+			data = (void *)(long)msg->data;
+			end = (void *)(long)msg->data_end;
+			if (data + MW_OBS_PEEK <= end)
+				__builtin_memcpy(buf, data, MW_OBS_PEEK);
+		} else if (data + MW_OBS_PEEK <= end) {
+			__builtin_memcpy(buf, data, MW_OBS_PEEK);
+		}
+		kind = http_start(buf, &method, &status);
+	}
+	if (kind == MW_HTTP_REQUEST) {
+		c->obs.req_role = st->role;
+		c->obs.req_point = o->point;
+		c->obs.req_netns = o->netns;
+		c->obs.req_method = method;
+		c->obs.req_server = o->server;
+		c->obs.req_ns = now;
+	} else if (kind == MW_HTTP_RESPONSE && c->obs.req_ns && c->obs.req_role != st->role) {
+		d = now - c->obs.req_ns;
+		c->obs.req_ns = 0;
+		k.status = status;
+		k.method = c->obs.req_method;
+		k.accelerated = 1;
+		k.server = c->obs.req_server;
+		k.netns = c->obs.req_netns;
+		k.point = c->obs.req_point;
+		obs_exchange(&k, d);
+		obs_flow_key(&k, o, MW_PROTO_HTTP);
+		obs_exchange(&k, d);
+	}
+	/* Bytes count at the connecting side's point (its socket adds them). */
+	__sync_fetch_and_add(&c->obs.bytes, size);
+	if (st->role == MW_ROLE_ACTIVE && now - o->flushed_ns > MW_OBS_FLUSH_NS) {
+		b = c->obs.bytes;
+		__sync_fetch_and_sub(&c->obs.bytes, b);
+		o->bytes += b;
+		obs_flush(o, now);
+	}
+}
+
+/* sock_ops close of a paired connection's connecting side: its last bytes. */
+static __always_inline void obs_conn_end(struct bpf_sock *sk, struct mw_conn *c)
+{
+	struct mw_obs_sock *o;
+	__u64 b;
+
+	if (!observe)
+		return;
+	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
+	if (!o)
+		return;
+	b = c->obs.bytes;
+	__sync_fetch_and_sub(&c->obs.bytes, b);
+	o->bytes += b;
+}
+
+/* Serial-number order of TCP sequence numbers. */
+static __always_inline bool seq_after(__u32 a, __u32 b)
+{
+	return (__s32)(a - b) > 0;
+}
+
+/*
+ * cgroup_skb: a segment of a connection that is not redirected (at egress
+ * before it leaves the socket, at ingress before TCP takes it). skb->data is
+ * the network header in both directions.
+ */
+static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
+{
+	__u32 kind = MW_HTTP_NONE, method = MW_METHOD_OTHER, status = 0;
+	struct mw_flow_key k = {};
+	struct mw_obs_sock *o;
+	struct bpf_sock *sk;
+	__u8 buf[MW_OBS_PEEK] = {};
+	__u32 off, len, seq, end;
+	__u8 b0, doff;
+	__u64 now;
+
+	sk = skb->sk;
+	if (!sk)
+		return 1;
+	sk = bpf_sk_fullsock(sk);
+	if (!sk || sk->protocol != IPPROTO_TCP)
+		return 1;
+	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
+	if (!o || !o->start_ns)
+		return 1;
+	if (sk->family == AF_INET) {
+		if (bpf_skb_load_bytes(skb, 0, &b0, 1))
+			return 1;
+		off = (b0 & 0xf) * 4;
+	} else {
+		off = 40; /* a TCP socket's own segments carry no extension headers here */
+	}
+	if (bpf_skb_load_bytes(skb, off + 4, &seq, 4) || bpf_skb_load_bytes(skb, off + 12, &doff, 1))
+		return 1;
+	off += (doff >> 4) * 4;
+	if (skb->len <= off)
+		return 1;
+	len = skb->len - off;
+	seq = bpf_ntohl(seq);
+	end = seq + len;
+	/* Seen already (a retransmission): neither its bytes nor its start count twice. */
+	if (o->seq_set & (egress ? 1 : 2)) {
+		if (!seq_after(end, egress ? o->snd_next : o->rcv_next))
+			return 1;
+	}
+	o->seq_set |= egress ? 1 : 2;
+	if (egress)
+		o->snd_next = end;
+	else
+		o->rcv_next = end;
+	now = bpf_ktime_get_ns();
+	if (len >= MW_OBS_PEEK && bpf_skb_load_bytes(skb, off, buf, MW_OBS_PEEK) == 0)
+		kind = http_start(buf, &method, &status);
+	if (kind == MW_HTTP_REQUEST) {
+		o->req_ns = now;
+		o->req_method = method;
+		o->req_egress = egress;
+	} else if (kind == MW_HTTP_RESPONSE && o->req_ns && o->req_egress != egress) {
+		obs_flow_key(&k, o, MW_PROTO_HTTP);
+		k.status = status;
+		k.method = o->req_method;
+		obs_exchange(&k, now - o->req_ns);
+		o->req_ns = 0;
+	}
+	o->bytes += len;
+	if (now - o->flushed_ns > MW_OBS_FLUSH_NS)
+		obs_flush(o, now);
+	return 1;
+}
+
+SEC("cgroup_skb/egress")
+int mw_obs_egress(struct __sk_buff *skb)
+{
+	return obs_skb(skb, true);
+}
+
+SEC("cgroup_skb/ingress")
+int mw_obs_ingress(struct __sk_buff *skb)
+{
+	return obs_skb(skb, false);
+}
+
+#endif /* MESHWARP_OBSERVE_H */

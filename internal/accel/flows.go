@@ -1,0 +1,187 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package accel
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/netip"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/cilium/ebpf"
+)
+
+// ObsBucketBounds are the upper bounds of the duration histograms the
+// observation keeps (mw_flows), fine enough for the tens of microseconds of
+// an accelerated hop; the last bucket is +Inf. The BPF programs get them
+// as obs_bounds_ns at load.
+var ObsBucketBounds = []time.Duration{
+	10 * time.Microsecond, 25 * time.Microsecond, 50 * time.Microsecond, 75 * time.Microsecond,
+	100 * time.Microsecond, 150 * time.Microsecond, 200 * time.Microsecond, 300 * time.Microsecond,
+	500 * time.Microsecond, 750 * time.Microsecond, time.Millisecond, 1500 * time.Microsecond,
+	2500 * time.Microsecond, 5 * time.Millisecond, 10 * time.Millisecond, 25 * time.Millisecond,
+	50 * time.Millisecond, 100 * time.Millisecond, 250 * time.Millisecond, 500 * time.Millisecond,
+	time.Second, 5 * time.Second, 30 * time.Second,
+}
+
+// Point, protocol, method and TCP outcome names come from the C enums
+// (bpf/accel/accel.h), like reasons and hops.
+var (
+	pointNames   = mustEnumNames("mw_point", "MW_POINT_")
+	protoNames   = mustEnumNames("mw_proto", "MW_PROTO_")
+	methodNames  = mustEnumNames("mw_method", "MW_METHOD_")
+	outcomeNames = mustEnumNames("mw_tcp_outcome", "MW_TCP_")
+)
+
+// PointNames lists the observation points from the client inwards (the
+// order a request through two sidecars meets them).
+func PointNames() []string { return append([]string(nil), pointNames...) }
+
+// Point names (see enum mw_point).
+const (
+	PointClient      = "client"
+	PointOutboundIn  = "outbound_in"
+	PointOutboundOut = "outbound_out"
+	PointInboundIn   = "inbound_in"
+	PointInboundOut  = "inbound_out"
+	PointServer      = "server"
+)
+
+// Flow is what one observation point saw of one server: HTTP exchanges by
+// method and status, or TCP connections by how they ended (Outcome "open"
+// carries only the bytes of connections not ended yet).
+type Flow struct {
+	Point       string         `json:"point"`
+	Proto       string         `json:"protocol"` // "http" or "tcp"
+	Method      string         `json:"method,omitempty"`
+	Status      int            `json:"status,omitempty"`
+	Outcome     string         `json:"outcome,omitempty"`
+	Accelerated bool           `json:"accelerated"`
+	Server      netip.AddrPort `json:"server"`
+	Netns       uint64         `json:"netns"`
+	Count       uint64         `json:"count"`
+	SumSeconds  float64        `json:"sum_seconds"`
+	Bytes       uint64         `json:"bytes"`
+	// Buckets counts durations per bucket of ObsBucketBounds (not cumulative; one more for +Inf).
+	Buckets []uint64 `json:"buckets"`
+}
+
+// Error reports whether the flow's exchanges or connections failed: HTTP
+// 5xx, TCP resets and failed connects.
+func (f Flow) Error() bool {
+	if f.Proto == "http" {
+		return f.Status >= 500
+	}
+	return f.Outcome == "reset" || f.Outcome == "connect_failed"
+}
+
+// Key identifies the flow without its values.
+func (f Flow) Key() string {
+	return fmt.Sprintf("%s|%s|%s|%d|%s|%t|%s|%d", f.Point, f.Proto, f.Method, f.Status, f.Outcome, f.Accelerated, f.Server, f.Netns)
+}
+
+// ReadPinnedFlows reads the observation of the agent pinned at pinDir.
+func ReadPinnedFlows(pinDir string) ([]Flow, error) {
+	if pinDir == "" {
+		pinDir = DefaultPinDir
+	}
+	p := filepath.Join(pinDir, "mw_flows")
+	m, err := ebpf.LoadPinnedMap(p, &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		return nil, fmt.Errorf("no agent is observing (%s: %w): start one with `meshwarp run --cgroup <dir>` (observation is on unless --observe=false)", p, err)
+	}
+	defer m.Close()
+	return readFlows(m)
+}
+
+// Flows reads the agent's observation.
+func (a *Agent) Flows() ([]Flow, error) { return readFlows(a.objs.MwFlows) }
+
+func readFlows(m *ebpf.Map) ([]Flow, error) {
+	var (
+		k   accelMwFlowKey
+		v   accelMwFlow
+		out []Flow
+	)
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		out = append(out, flowOf(k, v))
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("read mw_flows: %w", err)
+	}
+	return out, nil
+}
+
+func flowOf(k accelMwFlowKey, v accelMwFlow) Flow {
+	f := Flow{
+		Point:       enumName(pointNames, uint32(k.Point)),
+		Proto:       enumName(protoNames, uint32(k.Proto)),
+		Accelerated: k.Accelerated != 0,
+		Server:      endpointAddrPort(k.Server),
+		Netns:       k.Netns,
+		Count:       v.Count,
+		SumSeconds:  float64(v.SumNs) / 1e9,
+		Bytes:       v.Bytes,
+		Buckets:     append([]uint64(nil), v.Buckets[:]...),
+	}
+	if f.Proto == "http" {
+		f.Method = HTTPMethodName(uint32(k.Method))
+		f.Status = int(k.Status)
+	} else {
+		f.Outcome = enumName(outcomeNames, uint32(k.Outcome))
+	}
+	return f
+}
+
+// HTTPMethodName renders a method as OpenTelemetry does: upper case, and
+// "_OTHER" for methods outside the known set.
+func HTTPMethodName(v uint32) string {
+	n := enumName(methodNames, v)
+	if n == "other" || n == "" {
+		return "_OTHER"
+	}
+	return strings.ToUpper(n)
+}
+
+func enumName(names []string, v uint32) string {
+	if int(v) < len(names) {
+		return names[v]
+	}
+	return fmt.Sprint(v)
+}
+
+// endpointAddrPort turns an mw_endpoint (IPv4 as v4-mapped) into an address.
+func endpointAddrPort(e accelMwEndpoint) netip.AddrPort {
+	var b [16]byte
+	for i, w := range e.Addr {
+		binary.LittleEndian.PutUint32(b[i*4:], w) // network order bytes, loaded little-endian
+	}
+	return netip.AddrPortFrom(netip.AddrFrom16(b).Unmap(), uint16(e.PortHost))
+}
+
+// obsConstants are the observation's load-time settings.
+func obsConstants(cfg Config) (map[string]any, error) {
+	if len(ObsBucketBounds) != len(accelMwFlow{}.Buckets)-1 {
+		return nil, errors.New("ObsBucketBounds does not match MW_OBS_BUCKETS")
+	}
+	var bounds [len(accelMwFlow{}.Buckets) - 1]uint64
+	for i, d := range ObsBucketBounds {
+		bounds[i] = uint64(d.Nanoseconds())
+	}
+	return map[string]any{
+		"observe":       boolU32(cfg.Observe),
+		"accelerate":    boolU32(!cfg.ObserveOnly),
+		"obs_bounds_ns": bounds,
+	}, nil
+}
+
+func boolU32(b bool) uint32 {
+	if b {
+		return 1
+	}
+	return 0
+}
