@@ -133,17 +133,22 @@ static __always_inline __u32 http_start(const __u8 *b, __u32 *method, __u32 *sta
 	return MW_HTTP_REQUEST;
 }
 
-/* Both ends in this host's view of one machine: loopback or the socket's own address. */
-static __always_inline bool local_remote(const struct mw_tuple *t)
+static __always_inline bool loopback(const struct mw_endpoint *e)
 {
 	/* v4-mapped: addr[3] holds the IPv4 address in network order (127/8: first byte 127). */
-	if (t->remote.addr[0] == 0 && t->remote.addr[1] == 0 && t->remote.addr[2] == bpf_htonl(0xffff) &&
-	    (t->remote.addr[3] & 0xff) == 127)
+	if (e->addr[0] == 0 && e->addr[1] == 0 && e->addr[2] == bpf_htonl(0xffff) && (e->addr[3] & 0xff) == 127)
 		return true;
-	if (t->remote.addr[0] == 0 && t->remote.addr[1] == 0 && t->remote.addr[2] == 0 &&
-	    t->remote.addr[3] == bpf_htonl(1))
-		return true;
-	return addr_eq(&t->local, &t->remote);
+	return e->addr[0] == 0 && e->addr[1] == 0 && e->addr[2] == 0 && e->addr[3] == bpf_htonl(1);
+}
+
+/*
+ * A connection within this network namespace: either end on loopback (the
+ * sidecar's connections to its app come from 127.0.0.6 in Istio) or both
+ * ends on one address.
+ */
+static __always_inline bool local_remote(const struct mw_tuple *t)
+{
+	return loopback(&t->local) || loopback(&t->remote) || addr_eq(&t->local, &t->remote);
 }
 
 /*

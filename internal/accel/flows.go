@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -91,7 +92,11 @@ func ReadPinnedFlows(pinDir string) ([]Flow, error) {
 	p := filepath.Join(pinDir, "mw_flows")
 	m, err := ebpf.LoadPinnedMap(p, &ebpf.LoadPinOptions{ReadOnly: true})
 	if err != nil {
-		return nil, fmt.Errorf("no agent is observing (%s: %w): start one with `meshwarp run --cgroup <dir>` (observation is on unless --observe=false)", p, err)
+		return nil, fmt.Errorf("no meshwarp agent is attached at %s (%w): start one with `meshwarp run` (or pass its --pin-dir)", pinDir, errors.Unwrap(err))
+	}
+	if _, err := os.Stat(filepath.Join(pinDir, obsEgressPin)); err != nil {
+		m.Close()
+		return nil, fmt.Errorf("the meshwarp agent at %s does not observe: restart it without --observe=false", pinDir)
 	}
 	defer m.Close()
 	return readFlows(m)

@@ -27,6 +27,11 @@ const (
 	ModeSidecar         = "sidecar"          // Istio-style capture through HAProxy sidecars
 	ModeSidecarMeshwarp = "sidecar+meshwarp" // sidecar with the agent attached
 	ModeDirectMeshwarp  = "direct+meshwarp"  // direct with the agent attached
+	// The observation's own cost: the agent observing only, and accelerating only.
+	ModeSidecarObserve    = "sidecar+observe"    // sidecar, agent with --accelerate=false
+	ModeSidecarAccelerate = "sidecar+accelerate" // sidecar, agent with --observe=false
+	ModeDirectObserve     = "direct+observe"
+	ModeDirectAccelerate  = "direct+accelerate"
 	// ModeFloor labels the AF_UNIX results, which do not depend on the mode.
 	ModeFloor = "floor"
 )
@@ -57,6 +62,9 @@ const (
 // AllModes in their default (interleaving) order.
 var AllModes = []string{ModeDirect, ModeSidecar, ModeSidecarMeshwarp, ModeDirectMeshwarp}
 
+// KnownModes are AllModes and the modes that measure the observation's cost.
+var KnownModes = append(slices.Clone(AllModes), ModeSidecarObserve, ModeSidecarAccelerate, ModeDirectObserve, ModeDirectAccelerate)
+
 // AllWorkloads in report order.
 var AllWorkloads = []string{WorkloadHTTP, WorkloadTCP, WorkloadQperf, WorkloadUnix}
 
@@ -68,11 +76,30 @@ var QuickSizes = []int{64, 16384}
 
 // ModeCapture reports whether mode sends traffic through the sidecars.
 func ModeCapture(mode string) bool {
-	return mode == ModeSidecar || mode == ModeSidecarMeshwarp
+	return mode == ModeSidecar || strings.HasPrefix(mode, ModeSidecar+"+")
 }
 
 // ModeAgent reports whether mode attaches the agent.
-func ModeAgent(mode string) bool { return strings.HasSuffix(mode, "+meshwarp") }
+func ModeAgent(mode string) bool { return strings.Contains(mode, "+") }
+
+// AgentSettings is what a mode's agent does: +meshwarp is `meshwarp run`'s
+// defaults (accelerate and observe), +observe and +accelerate one of them.
+type AgentSettings struct {
+	Observe, Accelerate bool
+}
+
+// ModeAgentSettings returns the settings of mode's agent (zero without one).
+func ModeAgentSettings(mode string) AgentSettings {
+	switch {
+	case strings.HasSuffix(mode, "+observe"):
+		return AgentSettings{Observe: true}
+	case strings.HasSuffix(mode, "+accelerate"):
+		return AgentSettings{Accelerate: true}
+	case ModeAgent(mode):
+		return AgentSettings{Observe: true, Accelerate: true}
+	}
+	return AgentSettings{}
+}
 
 // Options configure a bench run.
 type Options struct {
@@ -166,8 +193,8 @@ func (o *Options) Normalize() error {
 		errs = append(errs, fmt.Errorf("--connections %d: must be at least 1", o.Connections))
 	}
 	for _, m := range o.Modes {
-		if !slices.Contains(AllModes, m) {
-			errs = append(errs, fmt.Errorf("unknown mode %q (want one of %s)", m, strings.Join(AllModes, ", ")))
+		if !slices.Contains(KnownModes, m) {
+			errs = append(errs, fmt.Errorf("unknown mode %q (want one of %s)", m, strings.Join(KnownModes, ", ")))
 		}
 	}
 	for _, w := range o.Workloads {

@@ -123,20 +123,33 @@ func downLab(logger *slog.Logger) error {
 }
 
 // accelAgent adapts accel.Agent.
-type accelAgent struct{ a *accel.Agent }
+type accelAgent struct {
+	a       *accel.Agent
+	observe bool
+}
 
 // StartAccel is the StartAgentFunc of the real agent.
 func StartAccel(logger *slog.Logger) StartAgentFunc {
-	return func(cgroupPath, pinDir string) (Agent, error) {
-		a, err := accel.Start(accel.Config{CgroupPath: cgroupPath, PinDir: pinDir, SidecarUID: SidecarUID}, logger)
+	return func(cgroupPath, pinDir string, s AgentSettings) (Agent, error) {
+		a, err := accel.Start(accel.Config{
+			CgroupPath: cgroupPath, PinDir: pinDir, SidecarUID: SidecarUID,
+			Observe: s.Observe, ObserveOnly: !s.Accelerate,
+		}, logger)
 		if err != nil {
 			return nil, err
 		}
-		return accelAgent{a}, nil
+		return accelAgent{a, s.Observe}, nil
 	}
 }
 
 func (x accelAgent) Stats() (accel.Stats, error) { return x.a.Stats() }
+
+func (x accelAgent) Flows() ([]accel.Flow, error) {
+	if !x.observe {
+		return nil, nil
+	}
+	return x.a.Flows()
+}
 
 func (x accelAgent) Uninstall() error {
 	_, err := x.a.Uninstall()

@@ -12,6 +12,7 @@ import (
 	"sort"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/observe"
 )
 
 // Metric keys: the name of every number carries its unit. The same keys are
@@ -54,6 +55,39 @@ type Sample struct {
 	// Histogram is fortio's latency histogram of the run (http, tcp).
 	Histogram []Bucket    `json:"histogram_us,omitempty"`
 	Agent     *AgentDelta `json:"agent,omitempty"`
+	// Observed is what an observing agent recorded of the run (http).
+	Observed *Observation `json:"observed,omitempty"`
+}
+
+// Observation is an observing agent's view of one HTTP run.
+type Observation struct {
+	// ServerRequests and ClientRequests are the exchanges the agent counted
+	// at the server and client applications (http_server/client_request_duration_seconds_count).
+	ServerRequests uint64 `json:"server_requests"`
+	ClientRequests uint64 `json:"client_requests"`
+	// Breakdown is where the requests' time went (`meshwarp trace`); nil if no client exchange was seen.
+	Breakdown *observe.Breakdown `json:"breakdown,omitempty"`
+}
+
+// newObservation summarises the flows of one run to the HTTP port.
+func newObservation(flows []accel.Flow, port int) *Observation {
+	flows = observe.ByPort(flows, uint16(port))
+	o := &Observation{}
+	for _, f := range flows {
+		if f.Proto != "http" {
+			continue
+		}
+		switch f.Point {
+		case accel.PointServer:
+			o.ServerRequests += f.Count
+		case accel.PointClient:
+			o.ClientRequests += f.Count
+		}
+	}
+	if b, err := observe.NewBreakdown(flows); err == nil {
+		o.Breakdown = &b
+	}
+	return o
 }
 
 // AgentDelta is the change of the agent's counters over one run.

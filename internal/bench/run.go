@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/observe"
 	"github.com/meshwarp/meshwarp/internal/lab"
 )
 
@@ -53,6 +54,8 @@ type Env interface {
 type Agent interface {
 	// Stats reads its cumulative counters (accel.Stats: the one shape of them).
 	Stats() (accel.Stats, error)
+	// Flows reads its observation (nil when it does not observe).
+	Flows() ([]accel.Flow, error)
 	// Uninstall stops accelerating new connections and removes the pins.
 	Uninstall() error
 }
@@ -87,7 +90,7 @@ func deltaOf(d accel.Stats) *AgentDelta {
 }
 
 // StartAgentFunc attaches an agent to cgroupPath, pinning under pinDir.
-type StartAgentFunc func(cgroupPath, pinDir string) (Agent, error)
+type StartAgentFunc func(cgroupPath, pinDir string, settings AgentSettings) (Agent, error)
 
 // ErrQperfThroughSidecar marks a qperf failure in a capture mode.
 var ErrQperfThroughSidecar = errors.New("qperf through the sidecars failed")
@@ -244,7 +247,7 @@ func (r *runner) runMode(ctx context.Context, rep int, mode string) (err error) 
 	}
 	var agent Agent
 	if ModeAgent(mode) {
-		agent, err = r.start(r.env.CgroupPath(), r.opts.PinDir)
+		agent, err = r.start(r.env.CgroupPath(), r.opts.PinDir, ModeAgentSettings(mode))
 		if err != nil {
 			return fmt.Errorf("start meshwarp agent for %s: %w", mode, err)
 		}
@@ -281,6 +284,18 @@ func (r *runner) runMode(ctx context.Context, rep int, mode string) (err error) 
 		}
 	}
 	return nil
+}
+
+// agentFlows reads the observation (nil agent: nothing).
+func agentFlows(a Agent) ([]accel.Flow, error) {
+	if a == nil {
+		return nil, nil
+	}
+	f, err := a.Flows()
+	if err != nil {
+		return nil, fmt.Errorf("read agent observation: %w", err)
+	}
+	return f, nil
 }
 
 // agentSnapshot reads the counters (nil agent: nothing).
@@ -372,6 +387,10 @@ func (r *runner) runFortio(ctx context.Context, rep int, mode, workload string, 
 	if err != nil {
 		return err
 	}
+	flowsBefore, err := agentFlows(agent)
+	if err != nil {
+		return err
+	}
 	res, cpu, err := r.runWorker(ctx, spec, 3*r.opts.Duration+60*time.Second)
 	if err != nil {
 		return err
@@ -380,8 +399,15 @@ func (r *runner) runFortio(ctx context.Context, rep int, mode, workload string, 
 	if err != nil {
 		return err
 	}
+	flowsAfter, err := agentFlows(agent)
+	if err != nil {
+		return err
+	}
 	s := FortioSample(mode, workload, rep, res, cpu)
 	s.Agent = delta
+	if workload == WorkloadHTTP && flowsAfter != nil {
+		s.Observed = newObservation(observe.Sub(flowsAfter, flowsBefore), r.env.HTTPPort())
+	}
 	r.samples = append(r.samples, s)
 	if res.Requests == 0 {
 		return fmt.Errorf("no successful request (%d errors, codes %v)", res.Errors, res.ErrorCodes)

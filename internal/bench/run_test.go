@@ -83,7 +83,7 @@ type fakeAgent struct {
 	onFirstRead func()
 }
 
-func (f *fakeAgent) start(cgroupPath, pinDir string) (Agent, error) {
+func (f *fakeAgent) start(cgroupPath, pinDir string, _ AgentSettings) (Agent, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.attached {
@@ -93,6 +93,8 @@ func (f *fakeAgent) start(cgroupPath, pinDir string) (Agent, error) {
 	f.attached = true
 	return f, nil
 }
+
+func (f *fakeAgent) Flows() ([]accel.Flow, error) { return nil, nil }
 
 func (f *fakeAgent) Stats() (accel.Stats, error) {
 	f.mu.Lock()

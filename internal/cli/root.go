@@ -90,6 +90,7 @@ Start with:
 		newStatusCommand(g),
 		newCleanupCommand(g),
 		newTapCommand(g),
+		newTraceCommand(g),
 		newLabCommand(g),
 		newBenchCommand(g),
 		newVersionCommand(),
