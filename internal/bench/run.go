@@ -19,8 +19,8 @@ import (
 	"time"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
-	"github.com/meshwarp/meshwarp/internal/observe"
 	"github.com/meshwarp/meshwarp/internal/lab"
+	"github.com/meshwarp/meshwarp/internal/observe"
 )
 
 // Env is the lab as the bench uses it; labEnv adapts internal/lab to it

@@ -137,7 +137,6 @@ func TestPrivilegedREDMetrics(t *testing.T) {
 	}
 }
 
-
 func scrape(t *testing.T, url string) map[string]*dto.MetricFamily {
 	t.Helper()
 	resp, err := http.Get(url + "/metrics")
