@@ -134,13 +134,14 @@ struct mw_src_addr {
  * proxies between them (`meshwarp trace`).
  */
 enum mw_point {
-	MW_POINT_CLIENT = 0,       /* an application's connecting socket */
-	MW_POINT_OUTBOUND_IN = 1,  /* the sidecar's accepted socket on the outbound capture port */
-	MW_POINT_OUTBOUND_OUT = 2, /* the sidecar's connection to another pod */
-	MW_POINT_INBOUND_IN = 3,   /* the sidecar's accepted socket on the inbound capture port */
-	MW_POINT_INBOUND_OUT = 4,  /* the sidecar's connection to its own pod's application */
-	MW_POINT_SERVER = 5,       /* an application's accepted socket */
-	MW_POINT_MAX = 6,
+	MW_POINT_CLIENT_APP = 0,   /* the application's first read of the response (tp_btf sock_recv_length) */
+	MW_POINT_CLIENT = 1,       /* an application's connecting socket */
+	MW_POINT_OUTBOUND_IN = 2,  /* the sidecar's accepted socket on the outbound capture port */
+	MW_POINT_OUTBOUND_OUT = 3, /* the sidecar's connection to another pod */
+	MW_POINT_INBOUND_IN = 4,   /* the sidecar's accepted socket on the inbound capture port */
+	MW_POINT_INBOUND_OUT = 5,  /* the sidecar's connection to its own pod's application */
+	MW_POINT_SERVER = 6,       /* an application's accepted socket */
+	MW_POINT_MAX = 7,
 };
 
 enum mw_proto {
@@ -208,6 +209,7 @@ struct mw_obs_sock {
 	__u64 req_ns;     /* TCP path: a request in flight since (0: none) */
 	__u64 bytes;      /* payload bytes not yet added to mw_flows */
 	__u64 flushed_ns; /* when they were last added */
+	__u64 app_req_ns; /* a client application's request not yet answered by a read */
 	__u32 req_method; /* enum mw_method of the request in flight */
 	__u32 req_egress; /* the request left through this socket (1) or arrived (0) */
 	__u32 snd_next;   /* end of the highest segment sent / received: retransmitted */

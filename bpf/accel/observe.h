@@ -264,6 +264,15 @@ static __always_inline void obs_exchange(struct mw_flow_key *k, __u64 d_ns)
 	obs_add(k, d_ns, 0, true);
 }
 
+/* A client application sent a request: its first read after this ends it (obs_recv). */
+static __always_inline void obs_app_request(struct mw_obs_sock *o, __u32 method, __u64 now)
+{
+	if (o->point != MW_POINT_CLIENT)
+		return;
+	o->app_req_ns = now;
+	o->req_method = method;
+}
+
 /*
  * sk_msg: a message of a paired connection was redirected. The exchange in
  * flight lives in the connection (mw_conn.obs): its response is sent by the
@@ -298,6 +307,7 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 		kind = http_start(buf, &method, &status);
 	}
 	if (kind == MW_HTTP_REQUEST) {
+		obs_app_request(o, method, now);
 		c->obs.req_role = st->role;
 		c->obs.req_point = o->point;
 		c->obs.req_netns = o->netns;
@@ -374,13 +384,13 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
 	if (!o || !o->start_ns)
 		return 1;
-	if (sk->family == AF_INET) {
-		if (bpf_skb_load_bytes(skb, 0, &b0, 1))
-			return 1;
+	/* By the packet's version: a dual-stack socket carries IPv4 too. */
+	if (bpf_skb_load_bytes(skb, 0, &b0, 1))
+		return 1;
+	if (b0 >> 4 == 4)
 		off = (b0 & 0xf) * 4;
-	} else {
+	else
 		off = 40; /* a TCP socket's own segments carry no extension headers here */
-	}
 	if (bpf_skb_load_bytes(skb, off + 4, &seq, 4) || bpf_skb_load_bytes(skb, off + 12, &doff, 1))
 		return 1;
 	off += (doff >> 4) * 4;
@@ -403,6 +413,8 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 	if (len >= MW_OBS_PEEK && bpf_skb_load_bytes(skb, off, buf, MW_OBS_PEEK) == 0)
 		kind = http_start(buf, &method, &status);
 	if (kind == MW_HTTP_REQUEST) {
+		if (egress)
+			obs_app_request(o, method, now);
 		o->req_ns = now;
 		o->req_method = method;
 		o->req_egress = egress;
@@ -429,6 +441,38 @@ SEC("cgroup_skb/ingress")
 int mw_obs_ingress(struct __sk_buff *skb)
 {
 	return obs_skb(skb, false);
+}
+
+#define MW_MSG_PEEK 2
+
+/*
+ * A socket read returned data (tracepoint sock:sock_recv_length, in the
+ * reader's context): for a client application with a request out, the
+ * response reached the application. Its time from the socket (MW_POINT_CLIENT)
+ * to here is the wakeup and the read: what the client sees beyond its socket.
+ */
+SEC("tp_btf/sock_recv_length")
+int mw_obs_recv(__u64 *ctx)
+{
+	struct sock *sk = (struct sock *)ctx[0];
+	int ret = (int)ctx[1], flags = (int)ctx[2];
+	struct mw_flow_key k = {};
+	struct mw_obs_sock *o;
+	__u64 now;
+
+	if (!observe || ret <= 0 || (flags & MW_MSG_PEEK) || !sk)
+		return 0;
+	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
+	if (!o || !o->app_req_ns)
+		return 0;
+	now = bpf_ktime_get_ns();
+	obs_flow_key(&k, o, MW_PROTO_HTTP);
+	k.point = MW_POINT_CLIENT_APP;
+	k.method = o->req_method;
+	k.accelerated = o->accelerated;
+	obs_add(&k, now - o->app_req_ns, 0, true);
+	o->app_req_ns = 0;
+	return 0;
 }
 
 #endif /* MESHWARP_OBSERVE_H */

@@ -155,6 +155,7 @@ type accelMwObsSock struct {
 	ReqNs       uint64
 	Bytes       uint64
 	FlushedNs   uint64
+	AppReqNs    uint64
 	ReqMethod   uint32
 	ReqEgress   uint32
 	SndNext     uint32
@@ -166,13 +167,14 @@ type accelMwObsSock struct {
 type accelMwPoint uint32
 
 const (
-	accelMwPointMW_POINT_CLIENT       accelMwPoint = 0
-	accelMwPointMW_POINT_OUTBOUND_IN  accelMwPoint = 1
-	accelMwPointMW_POINT_OUTBOUND_OUT accelMwPoint = 2
-	accelMwPointMW_POINT_INBOUND_IN   accelMwPoint = 3
-	accelMwPointMW_POINT_INBOUND_OUT  accelMwPoint = 4
-	accelMwPointMW_POINT_SERVER       accelMwPoint = 5
-	accelMwPointMW_POINT_MAX          accelMwPoint = 6
+	accelMwPointMW_POINT_CLIENT_APP   accelMwPoint = 0
+	accelMwPointMW_POINT_CLIENT       accelMwPoint = 1
+	accelMwPointMW_POINT_OUTBOUND_IN  accelMwPoint = 2
+	accelMwPointMW_POINT_OUTBOUND_OUT accelMwPoint = 3
+	accelMwPointMW_POINT_INBOUND_IN   accelMwPoint = 4
+	accelMwPointMW_POINT_INBOUND_OUT  accelMwPoint = 5
+	accelMwPointMW_POINT_SERVER       accelMwPoint = 6
+	accelMwPointMW_POINT_MAX          accelMwPoint = 7
 )
 
 type accelMwPolicyCfg struct {
@@ -297,6 +299,7 @@ const (
 	accelProgMwConnectWatch        = "mw_connect_watch"
 	accelProgMwObsEgress           = "mw_obs_egress"
 	accelProgMwObsIngress          = "mw_obs_ingress"
+	accelProgMwObsRecv             = "mw_obs_recv"
 	accelProgMwRecvfromWatch       = "mw_recvfrom_watch"
 	accelProgMwRecvmmsgWatch       = "mw_recvmmsg_watch"
 	accelProgMwRecvmsgWatch        = "mw_recvmsg_watch"
@@ -366,6 +369,7 @@ type accelProgramSpecs struct {
 	MwConnectWatch    *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
 	MwObsEgress       *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
 	MwObsIngress      *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
+	MwObsRecv         *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
 	MwRecvfromWatch   *ebpf.ProgramSpec `ebpf:"mw_recvfrom_watch"`
 	MwRecvmmsgWatch   *ebpf.ProgramSpec `ebpf:"mw_recvmmsg_watch"`
 	MwRecvmsgWatch    *ebpf.ProgramSpec `ebpf:"mw_recvmsg_watch"`
@@ -504,6 +508,7 @@ type accelPrograms struct {
 	MwConnectWatch    *ebpf.Program `ebpf:"mw_connect_watch"`
 	MwObsEgress       *ebpf.Program `ebpf:"mw_obs_egress"`
 	MwObsIngress      *ebpf.Program `ebpf:"mw_obs_ingress"`
+	MwObsRecv         *ebpf.Program `ebpf:"mw_obs_recv"`
 	MwRecvfromWatch   *ebpf.Program `ebpf:"mw_recvfrom_watch"`
 	MwRecvmmsgWatch   *ebpf.Program `ebpf:"mw_recvmmsg_watch"`
 	MwRecvmsgWatch    *ebpf.Program `ebpf:"mw_recvmsg_watch"`
@@ -522,6 +527,7 @@ func (p *accelPrograms) Close() error {
 		p.MwConnectWatch,
 		p.MwObsEgress,
 		p.MwObsIngress,
+		p.MwObsRecv,
 		p.MwRecvfromWatch,
 		p.MwRecvmmsgWatch,
 		p.MwRecvmsgWatch,

@@ -80,10 +80,11 @@ const (
 	skmsgLinkPin   = "mw_skmsg_link"
 	obsEgressPin   = "mw_obs_egress_link"
 	obsIngressPin  = "mw_obs_ingress_link"
+	obsRecvPin     = "mw_obs_recv_link"
 )
 
 // linkPins are every link meshwarp pins, in the order they are removed.
-var linkPins = []string{sockopsLinkPin, skmsgLinkPin, obsEgressPin, obsIngressPin}
+var linkPins = []string{sockopsLinkPin, skmsgLinkPin, obsEgressPin, obsIngressPin, obsRecvPin}
 
 // Config selects what the agent attaches to and what it accelerates.
 type Config struct {
@@ -608,16 +609,26 @@ func mapNames() []string {
 	return names
 }
 
-// attachObservation attaches (or adopts) the observation's cgroup_skb
-// programs when cfg.Observe, and detaches an earlier agent's otherwise.
+// attachObservation attaches (or adopts) the observation's programs when
+// cfg.Observe, and detaches an earlier agent's otherwise.
 func (a *Agent) attachObservation() error {
+	cgroup := func(prog *ebpf.Program, attach ebpf.AttachType) func() (link.Link, error) {
+		return func() (link.Link, error) {
+			return link.AttachCgroup(link.CgroupOptions{Path: a.cfg.CgroupPath, Attach: attach, Program: prog})
+		}
+	}
+	sameCg := func(l link.Link) error { return sameCgroup(l, a.cfg.CgroupPath) }
 	progs := []struct {
 		pin    string
 		prog   *ebpf.Program
-		attach ebpf.AttachType
+		attach func() (link.Link, error)
+		check  func(link.Link) error
 	}{
-		{obsEgressPin, a.objs.MwObsEgress, ebpf.AttachCGroupInetEgress},
-		{obsIngressPin, a.objs.MwObsIngress, ebpf.AttachCGroupInetIngress},
+		{obsEgressPin, a.objs.MwObsEgress, cgroup(a.objs.MwObsEgress, ebpf.AttachCGroupInetEgress), sameCg},
+		{obsIngressPin, a.objs.MwObsIngress, cgroup(a.objs.MwObsIngress, ebpf.AttachCGroupInetIngress), sameCg},
+		{obsRecvPin, a.objs.MwObsRecv, func() (link.Link, error) {
+			return link.AttachTracing(link.TracingOptions{Program: a.objs.MwObsRecv})
+		}, nil},
 	}
 	for _, p := range progs {
 		pin := filepath.Join(a.cfg.PinDir, p.pin)
@@ -627,10 +638,13 @@ func (a *Agent) attachObservation() error {
 			}
 			continue
 		}
-		l, err := attachOrUpdate(pin, p.prog, func() (link.Link, error) {
-			return link.AttachCgroup(link.CgroupOptions{Path: a.cfg.CgroupPath, Attach: p.attach, Program: p.prog})
-		}, func(l link.Link) error { return sameCgroup(l, a.cfg.CgroupPath) })
+		l, err := attachOrUpdate(pin, p.prog, p.attach, p.check)
 		if err != nil {
+			if p.pin == obsRecvPin {
+				// Only the client application's own read time is lost (`meshwarp trace`).
+				a.logger.Warn("observation without the client read time (tracepoint sock:sock_recv_length)", "err", err)
+				continue
+			}
 			return fmt.Errorf("attach observation to %s: %w", a.cfg.CgroupPath, err)
 		}
 		a.obs = append(a.obs, l)

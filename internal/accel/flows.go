@@ -43,6 +43,7 @@ func PointNames() []string { return append([]string(nil), pointNames...) }
 
 // Point names (see enum mw_point).
 const (
+	PointClientApp   = "client_app"
 	PointClient      = "client"
 	PointOutboundIn  = "outbound_in"
 	PointOutboundOut = "outbound_out"

@@ -41,9 +41,9 @@ type Point struct {
 }
 
 // Breakdown is where an HTTP request's time goes, from the client
-// application's socket inwards. The segments' means add up to
-// ClientMeanSeconds: each is the difference between the mean durations at
-// two consecutive observation points.
+// application (its request sent to its first read of the response) inwards.
+// The segments' means add up to ClientMeanSeconds: each is the difference
+// between the mean durations at two consecutive observation points.
 type Breakdown struct {
 	Segments          []Segment `json:"segments"`
 	ClientMeanSeconds float64   `json:"client_mean_seconds"`
@@ -53,6 +53,7 @@ type Breakdown struct {
 
 // segmentNames names the part between two consecutive points.
 var segmentNames = map[[2]string]Segment{
+	{accel.PointClientApp, accel.PointClient}:       {Name: "socket -> client app (wakeup, read)", Kind: "kernel"},
 	{accel.PointClient, accel.PointOutboundIn}:      {Name: "app -> sidecar (kernel)", Kind: "kernel"},
 	{accel.PointOutboundIn, accel.PointOutboundOut}: {Name: "client sidecar (proxy)", Kind: "proxy"},
 	{accel.PointOutboundOut, accel.PointInboundIn}:  {Name: "sidecar -> sidecar (kernel)", Kind: "kernel"},
@@ -164,7 +165,11 @@ func NewBreakdown(flows []accel.Flow) (Breakdown, error) {
 			Accelerated: float64(h.accelerated) / float64(h.count),
 		})
 	}
-	client := byPoint[accel.PointClient]
+	// The client application's own read, when the tracepoint saw it; else its socket.
+	client := byPoint[accel.PointClientApp]
+	if client == nil {
+		client = byPoint[accel.PointClient]
+	}
 	if client == nil {
 		return b, fmt.Errorf("no HTTP/1.x request by an application of the cgroup was seen (points seen: %v)", present)
 	}

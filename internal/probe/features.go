@@ -16,6 +16,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/features"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
@@ -74,6 +75,7 @@ var programTypes = []struct {
 	{"prog sock_ops", ebpf.SockOps, true, "registers sockets as TCP connections establish", configCgroup},
 	{"prog sk_msg", ebpf.SkMsg, true, "redirects sendmsg data to the peer socket", configSockMsg},
 	{"prog tracepoint", ebpf.TracePoint, false, "syscall watches (what a redirect cannot honour)", configTrace},
+	{"prog tracing", ebpf.Tracing, false, "observation: the client application's read (tp_btf sock:sock_recv_length)", configTrace},
 	{"prog cgroup_skb", ebpf.CGroupSKB, false, "observation of connections that are not accelerated (run --observe)", configCgroup},
 }
 
@@ -83,7 +85,12 @@ func (p *prober) programTypes() {
 		if !pt.required {
 			min = kernelTrace
 		}
-		p.feature(pt.name, pt.required, pt.use, min, pt.config, func() error { return features.HaveProgramType(pt.typ) })
+		probe := func() error { return features.HaveProgramType(pt.typ) }
+		if pt.typ == ebpf.Tracing {
+			// Tracing programs load only with their attach target.
+			probe = func() error { return haveRawTracepoint("sock_recv_length") }
+		}
+		p.feature(pt.name, pt.required, pt.use, min, pt.config, probe)
 	}
 }
 
@@ -133,6 +140,7 @@ var helpers = []struct {
 	{ebpf.SkMsg, "sk_msg", asm.FnMsgPullData, "bpf_msg_pull_data", "meshwarp tap: reads the message payload", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnRingbufOutput, "bpf_ringbuf_output", "meshwarp tap: hands messages to user space", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnGetNetnsCookie, "bpf_get_netns_cookie", "meshwarp tap --pod/--netns", configSockMsg},
+	{ebpf.Tracing, "tracing", asm.FnSkStorageGet, "bpf_sk_storage_get", "observation: per-socket state at the client's read (Linux 5.11; probed as the tracepoint's BTF)", configTrace},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkFullsock, "bpf_sk_fullsock", "observation: the segment's socket", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkStorageGet, "bpf_sk_storage_get", "observation: per-socket state", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkbLoadBytes, "bpf_skb_load_bytes", "observation: the segment's first bytes", configCgroup},
@@ -196,6 +204,12 @@ func Uncovered(spec *ebpf.CollectionSpec) []string {
 func (p *prober) helpers() {
 	for _, h := range helpers {
 		name := h.pname + ": " + h.name
+		if h.prog == ebpf.Tracing {
+			// A tracing program's helpers cannot be probed without its attach
+			// target; the target is what a kernel may lack.
+			p.feature(name, false, h.use, MinKernel, h.config, func() error { return haveRawTracepoint("sock_recv_length") })
+			continue
+		}
 		p.feature(name, true, h.use, MinKernel, h.config, func() error {
 			err := features.HaveProgramHelper(h.prog, h.fn)
 			// skc_to_* helpers are hidden from programs loaded without
@@ -207,6 +221,20 @@ func (p *prober) helpers() {
 			return err
 		})
 	}
+}
+
+// haveRawTracepoint reports whether the kernel's BTF has tracepoint name
+// (what tp_btf programs attach to).
+func haveRawTracepoint(name string) error {
+	spec, err := btf.LoadKernelSpec()
+	if err != nil {
+		return fmt.Errorf("kernel BTF: %w", err)
+	}
+	var td *btf.Typedef
+	if err := spec.TypeByName("btf_trace_"+name, &td); err != nil {
+		return fmt.Errorf("tracepoint %s not in the kernel's BTF: %w", name, ebpf.ErrNotSupported)
+	}
+	return nil
 }
 
 // atomics loads a sock_ops program doing a 64-bit atomic compare-and-exchange

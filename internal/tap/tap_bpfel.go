@@ -129,6 +129,7 @@ type tapMwObsSock struct {
 	ReqNs       uint64
 	Bytes       uint64
 	FlushedNs   uint64
+	AppReqNs    uint64
 	ReqMethod   uint32
 	ReqEgress   uint32
 	SndNext     uint32
@@ -244,6 +245,7 @@ const (
 	tapProgMwConnectWatch        = "mw_connect_watch"
 	tapProgMwObsEgress           = "mw_obs_egress"
 	tapProgMwObsIngress          = "mw_obs_ingress"
+	tapProgMwObsRecv             = "mw_obs_recv"
 	tapProgMwRecvfromWatch       = "mw_recvfrom_watch"
 	tapProgMwRecvmmsgWatch       = "mw_recvmmsg_watch"
 	tapProgMwRecvmsgWatch        = "mw_recvmsg_watch"
@@ -317,6 +319,7 @@ type tapProgramSpecs struct {
 	MwConnectWatch    *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
 	MwObsEgress       *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
 	MwObsIngress      *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
+	MwObsRecv         *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
 	MwRecvfromWatch   *ebpf.ProgramSpec `ebpf:"mw_recvfrom_watch"`
 	MwRecvmmsgWatch   *ebpf.ProgramSpec `ebpf:"mw_recvmmsg_watch"`
 	MwRecvmsgWatch    *ebpf.ProgramSpec `ebpf:"mw_recvmsg_watch"`
@@ -471,6 +474,7 @@ type tapPrograms struct {
 	MwConnectWatch    *ebpf.Program `ebpf:"mw_connect_watch"`
 	MwObsEgress       *ebpf.Program `ebpf:"mw_obs_egress"`
 	MwObsIngress      *ebpf.Program `ebpf:"mw_obs_ingress"`
+	MwObsRecv         *ebpf.Program `ebpf:"mw_obs_recv"`
 	MwRecvfromWatch   *ebpf.Program `ebpf:"mw_recvfrom_watch"`
 	MwRecvmmsgWatch   *ebpf.Program `ebpf:"mw_recvmmsg_watch"`
 	MwRecvmsgWatch    *ebpf.Program `ebpf:"mw_recvmsg_watch"`
@@ -490,6 +494,7 @@ func (p *tapPrograms) Close() error {
 		p.MwConnectWatch,
 		p.MwObsEgress,
 		p.MwObsIngress,
+		p.MwObsRecv,
 		p.MwRecvfromWatch,
 		p.MwRecvmmsgWatch,
 		p.MwRecvmsgWatch,
