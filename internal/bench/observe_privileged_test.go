@@ -1,0 +1,174 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package bench_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/meshwarp/meshwarp/internal/bench"
+	"github.com/meshwarp/meshwarp/internal/cli"
+	"github.com/meshwarp/meshwarp/internal/observe"
+	"github.com/meshwarp/meshwarp/internal/testutil"
+)
+
+// The observation against fortio's own numbers, through the lab's sidecars
+// with the agent observing only (cgroup_skb) and accelerating (sk_msg), at
+// 1 and 64 connections: the requests it counts at the server and client
+// applications are fortio's, and the per-hop breakdown adds up to the
+// latency fortio measured (within 15 %). `meshwarp trace --json`, run while
+// the bench's agent observes, agrees.
+func TestPrivilegedObserveBreakdown(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	if bench.PinDirLeft(bench.DefaultPinDir) {
+		t.Fatalf("%s exists before the test: run `meshwarp cleanup --pin-dir %s`", bench.DefaultPinDir, bench.DefaultPinDir)
+	}
+	for _, conns := range []int{1, 64} {
+		t.Run("connections="+strconv.Itoa(conns), func(t *testing.T) {
+			jsonPath := filepath.Join(t.TempDir(), "bench.json")
+			ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+			defer cancel()
+
+			// `meshwarp trace` against the first mode's agent, while fortio runs.
+			traced := make(chan traceResult, 1)
+			go func() { traced <- traceWhileBenchRuns(ctx) }()
+
+			root := cli.NewRootCommand()
+			var stdout, stderr bytes.Buffer
+			root.SetOut(&stdout)
+			root.SetErr(&stderr)
+			root.SetArgs([]string{"bench", "--modes", "sidecar+observe,sidecar+meshwarp", "--workloads", "http",
+				"--duration", "6s", "--repeat", "1", "--connections", strconv.Itoa(conns), "--json", jsonPath})
+			if err := root.ExecuteContext(ctx); err != nil {
+				t.Fatalf("bench: %v\nstderr:\n%s", err, stderr.String())
+			}
+			t.Log(stdout.String())
+			doc, err := os.ReadFile(jsonPath)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var rep bench.Report
+			if err := json.Unmarshal(doc, &rep); err != nil {
+				t.Fatal(err)
+			}
+			if len(rep.Failures) > 0 {
+				t.Fatalf("failed runs: %v", rep.Failures)
+			}
+			fortioMean := map[string]float64{}
+			for _, s := range rep.Runs {
+				fortioMean[s.Mode] = s.Metrics[bench.MetricLatencyAvg] / 1e6
+				checkObservation(t, s)
+			}
+			if len(fortioMean) != 2 {
+				t.Fatalf("runs of modes %v, want sidecar+observe and sidecar+meshwarp", fortioMean)
+			}
+
+			tr := <-traced
+			if tr.err != nil {
+				t.Fatalf("meshwarp trace: %v", tr.err)
+			}
+			b := tr.breakdown
+			logBreakdown(t, "meshwarp trace --json (sidecar+observe)", b)
+			checkSum(t, "meshwarp trace", b, fortioMean[bench.ModeSidecarObserve])
+		})
+	}
+	if bench.PinDirLeft(bench.DefaultPinDir) {
+		t.Errorf("agent pins left in %s", bench.DefaultPinDir)
+	}
+}
+
+func checkObservation(t *testing.T, s bench.Sample) {
+	t.Helper()
+	o := s.Observed
+	if o == nil {
+		t.Fatalf("%s: no observation recorded", s.Mode)
+	}
+	made := float64(s.Requests + s.Errors)
+	for name, n := range map[string]uint64{"server": o.ServerRequests, "client": o.ClientRequests} {
+		if math.Abs(float64(n)-made) > 0.01*made {
+			t.Errorf("%s: the agent counted %d requests at the %s application, fortio made %.0f (want within 1%%)", s.Mode, n, name, made)
+		}
+	}
+	if o.Breakdown == nil {
+		t.Fatalf("%s: no breakdown", s.Mode)
+	}
+	b := *o.Breakdown
+	logBreakdown(t, s.Mode, b)
+	checkSum(t, s.Mode, b, s.Metrics[bench.MetricLatencyAvg]/1e6)
+	if len(b.Points) != 7 {
+		t.Errorf("%s: %d observation points, want all 7 of a request through two sidecars: %+v", s.Mode, len(b.Points), b.Points)
+	}
+	for _, p := range b.Points {
+		accelerated := s.Mode == bench.ModeSidecarMeshwarp
+		if p.Name == "client_app" {
+			continue // the application's read, not a connection
+		}
+		if accelerated && p.Accelerated < 0.9 || !accelerated && p.Accelerated != 0 {
+			t.Errorf("%s: point %s saw %.0f%% of its requests on accelerated connections", s.Mode, p.Name, 100*p.Accelerated)
+		}
+	}
+}
+
+// checkSum: the segments add up to the client's mean, which is fortio's within 15 %.
+func checkSum(t *testing.T, what string, b observe.Breakdown, fortioMean float64) {
+	t.Helper()
+	var sum float64
+	for _, s := range b.Segments {
+		sum += s.MeanSeconds
+	}
+	if math.Abs(sum-b.ClientMeanSeconds) > 1e-9 {
+		t.Errorf("%s: segments add up to %.1fus, client_mean_seconds is %.1fus", what, sum*1e6, b.ClientMeanSeconds*1e6)
+	}
+	if fortioMean <= 0 || math.Abs(sum-fortioMean) > 0.15*fortioMean {
+		t.Errorf("%s: segments add up to %.1fus, fortio measured a mean of %.1fus (want within 15%%)", what, sum*1e6, fortioMean*1e6)
+	}
+}
+
+func logBreakdown(t *testing.T, what string, b observe.Breakdown) {
+	t.Helper()
+	for _, s := range b.Segments {
+		t.Logf("%s: %-38s %-6s mean %8.1fus p50 %8.1fus p99 %8.1fus (%d)", what, s.Name, s.Kind, s.MeanSeconds*1e6, s.P50Seconds*1e6, s.P99Seconds*1e6, s.Count)
+	}
+}
+
+type traceResult struct {
+	breakdown observe.Breakdown
+	err       error
+}
+
+// traceWhileBenchRuns waits for the bench's observing agent and its first
+// requests, then runs `meshwarp trace --json` for 2 s.
+func traceWhileBenchRuns(ctx context.Context) traceResult {
+	obs := filepath.Join(bench.DefaultPinDir, "mw_obs_egress_link")
+	for {
+		if _, err := os.Stat(obs); err == nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return traceResult{err: fmt.Errorf("no bench agent appeared: %w", ctx.Err())}
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	// Past fortio's start (the sidecars restart first).
+	time.Sleep(2 * time.Second)
+	root := cli.NewRootCommand()
+	var stdout, stderr bytes.Buffer
+	root.SetOut(&stdout)
+	root.SetErr(&stderr)
+	root.SetArgs([]string{"trace", "--pin-dir", bench.DefaultPinDir, "--duration", "2s", "--port", "8080", "--json"})
+	if err := root.ExecuteContext(ctx); err != nil {
+		return traceResult{err: fmt.Errorf("%w (stderr: %s)", err, stderr.String())}
+	}
+	var r traceResult
+	r.err = json.Unmarshal(stdout.Bytes(), &r.breakdown)
+	return r
+}
