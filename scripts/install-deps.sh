@@ -6,7 +6,7 @@ set -euo pipefail
 
 pkgs=(clang llvm libbpf-dev bpftool iproute2 iptables procps haproxy qperf)
 if [[ "${1:-}" == "--test" ]]; then
-	pkgs+=(chromium podman runc tshark)
+	pkgs+=(chromium podman runc tshark tmux)
 fi
 
 missing=()

@@ -177,7 +177,7 @@ enum mw_tcp_outcome {
 
 /* mw_flows key: one flow is what one point saw of one server, by outcome. */
 struct mw_flow_key {
-	__u64 netns;               /* netns cookie of the observing socket (its pod) */
+	__u64 netns;               /* network namespace inode of the observing socket (its pod) */
 	struct mw_endpoint server; /* the endpoint the client dialled (the accepting side: its local endpoint) */
 	__u32 status;              /* HTTP only: the status code */
 	enum mw_point point;

@@ -194,6 +194,16 @@ static __always_inline void obs_flush(struct mw_obs_sock *o, __u64 now)
 	obs_add(&k, 0, b, false);
 }
 
+/* The socket's network namespace as /proc/PID/ns/net names it (its inode). */
+static __always_inline __u64 netns_inode(struct bpf_sock *sk)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+
+	if (!tp)
+		return 0;
+	return BPF_CORE_READ(tp, inet_conn.icsk_inet.sk.__sk_common.skc_net.net, ns.inum);
+}
+
 /*
  * sock_ops: a socket connects (active) or is established. Returns the
  * socket's callback flags with STATE_CB (its end is observed).
@@ -211,7 +221,7 @@ static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_so
 	sockops_tuple(skops, &t);
 	__builtin_memset(o, 0, sizeof(*o));
 	o->server = active ? t.remote : t.local;
-	o->netns = bpf_get_netns_cookie(skops);
+	o->netns = netns_inode(sk);
 	o->point = obs_point(sk, &t, active);
 	o->start_ns = bpf_ktime_get_ns();
 	o->flushed_ns = o->start_ns;

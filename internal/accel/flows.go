@@ -63,6 +63,7 @@ type Flow struct {
 	Outcome     string         `json:"outcome,omitempty"`
 	Accelerated bool           `json:"accelerated"`
 	Server      netip.AddrPort `json:"server"`
+	// Netns is the inode of the observing socket's network namespace (/proc/PID/ns/net).
 	Netns       uint64         `json:"netns"`
 	Count       uint64         `json:"count"`
 	SumSeconds  float64        `json:"sum_seconds"`

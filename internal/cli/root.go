@@ -91,6 +91,7 @@ Start with:
 		newCleanupCommand(g),
 		newTapCommand(g),
 		newTraceCommand(g),
+		newTopCommand(g),
 		newLabCommand(g),
 		newBenchCommand(g),
 		newVersionCommand(),

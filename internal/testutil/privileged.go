@@ -247,3 +247,38 @@ func Tshark(t testing.TB, file string, args ...string) string {
 	}
 	return string(out)
 }
+
+var (
+	binOnce sync.Once
+	binPath string
+	binErr  error
+)
+
+// MeshwarpBinary builds cmd/meshwarp once per test binary (for tests that
+// run the CLI as a user would: a separate process, a terminal).
+func MeshwarpBinary(t testing.TB) string {
+	t.Helper()
+	binOnce.Do(func() {
+		out, err := exec.Command("go", "env", "GOMOD").Output()
+		if err != nil {
+			binErr = fmt.Errorf("go env GOMOD: %w", err)
+			return
+		}
+		root := filepath.Dir(strings.TrimSpace(string(out)))
+		dir, err := os.MkdirTemp("", "meshwarp-test-bin-")
+		if err != nil {
+			binErr = err
+			return
+		}
+		binPath = filepath.Join(dir, "meshwarp")
+		cmd := exec.Command("go", "build", "-o", binPath, "./cmd/meshwarp")
+		cmd.Dir = root
+		if out, err := cmd.CombinedOutput(); err != nil {
+			binErr = fmt.Errorf("build meshwarp: %w\n%s", err, out)
+		}
+	})
+	if binErr != nil {
+		t.Fatal(binErr)
+	}
+	return binPath
+}
