@@ -64,10 +64,10 @@ type Flow struct {
 	Accelerated bool           `json:"accelerated"`
 	Server      netip.AddrPort `json:"server"`
 	// Netns is the inode of the observing socket's network namespace (/proc/PID/ns/net).
-	Netns       uint64         `json:"netns"`
-	Count       uint64         `json:"count"`
-	SumSeconds  float64        `json:"sum_seconds"`
-	Bytes       uint64         `json:"bytes"`
+	Netns      uint64  `json:"netns"`
+	Count      uint64  `json:"count"`
+	SumSeconds float64 `json:"sum_seconds"`
+	Bytes      uint64  `json:"bytes"`
 	// Buckets counts durations per bucket of ObsBucketBounds (not cumulative; one more for +Inf).
 	Buckets []uint64 `json:"buckets"`
 }
