@@ -16,6 +16,7 @@ package accel
 import (
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"maps"
 	"os"
@@ -464,7 +465,26 @@ func (a *Agent) Stats() (Stats, error) {
 		return s, err
 	}
 	s.UnfitProcesses, err = readUnfitProcesses(a.objs.MwUnfitProcs)
+	for _, p := range []*ebpf.Program{a.objs.MwSockops, a.objs.MwSkmsg, a.objs.MwObsEgress, a.objs.MwObsIngress, a.objs.MwObsRecv,
+		a.objs.MwSpliceWatch, a.objs.MwRecvfromWatch, a.objs.MwRecvmsgWatch, a.objs.MwRecvmmsgWatch, a.objs.MwSendtoWatch,
+		a.objs.MwSendmsgWatch, a.objs.MwSendmmsgWatch, a.objs.MwSetsockoptWatch, a.objs.MwCloseWatch, a.objs.MwConnectWatch} {
+		if ps, perr := p.Stats(); perr == nil {
+			s.BPFRunSeconds += ps.Runtime.Seconds()
+			s.BPFRuns += ps.RunCount
+		}
+	}
 	return s, err
+}
+
+// EnableBPFStats turns on the kernel's per-program run-time statistics
+// (Stats.BPFRunSeconds) until the returned closer is closed. They cost a
+// clock read per program run, so they are off by default.
+func EnableBPFStats() (io.Closer, error) {
+	c, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if err != nil {
+		return nil, fmt.Errorf("enable BPF run-time statistics: %w", err)
+	}
+	return c, nil
 }
 
 // Close releases this process's handles. Everything stays attached and

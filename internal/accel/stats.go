@@ -39,6 +39,12 @@ type Stats struct {
 	// NATPortRemaps counts paired connections whose source port NAT
 	// rewrote between the two ends (conntrack under REDIRECT or DNAT).
 	NATPortRemaps uint64 `json:"nat_port_remapped_connections"`
+	// BPFRunSeconds and BPFRuns are the CPU time and runs of the agent's BPF
+	// programs, from the kernel's per-program statistics (counted only while
+	// they are enabled: sysctl kernel.bpf_stats_enabled, or EnableBPFStats).
+	// Filled by Agent.Stats.
+	BPFRunSeconds float64 `json:"bpf_run_seconds"`
+	BPFRuns       uint64  `json:"bpf_runs"`
 	// FlowsFull counts observations lost because the flow table was full.
 	FlowsFull uint64 `json:"observe_flows_full"`
 	// Hops splits the redirect counters by mesh hop.
@@ -261,6 +267,8 @@ func (s Stats) Sub(before Stats) Stats {
 	d.SpliceSocketReads -= before.SpliceSocketReads
 	d.NATPortRemaps -= before.NATPortRemaps
 	d.FlowsFull -= before.FlowsFull
+	d.BPFRunSeconds -= before.BPFRunSeconds
+	d.BPFRuns -= before.BPFRuns
 	d.PassthroughByReason = subMap(s.PassthroughByReason, before.PassthroughByReason)
 	d.PassthroughBytesByReason = subMap(s.PassthroughBytesByReason, before.PassthroughBytesByReason)
 	d.PassthroughConnections = subMap(s.PassthroughConnections, before.PassthroughConnections)

@@ -103,6 +103,8 @@ type AgentDelta struct {
 	NATPortRemaps          uint64                 `json:"nat_port_remapped_connections"`
 	LeftSockets            uint64                 `json:"left_sockets"`
 	Hops                   map[string]HopCounters `json:"by_hop,omitempty"`
+	// BPFRunSeconds is the CPU time of the agent's BPF programs over the run.
+	BPFRunSeconds float64 `json:"bpf_run_seconds,omitempty"`
 }
 
 // HopCounters counts one hop kind (app_to_sidecar, sidecar_to_sidecar,
@@ -212,7 +214,9 @@ type HopsSummary struct {
 	PassthroughMessages float64                `json:"passthrough_messages"`
 	PassthroughBytes    float64                `json:"passthrough_bytes"`
 	ByHop               map[string]HopCounters `json:"by_hop"`
-	PassthroughByReason map[string]uint64      `json:"passthrough_messages_by_reason,omitempty"`
+	// BPFUSPerRequest is the agent's BPF CPU time per request (fortio workloads).
+	BPFUSPerRequest     float64           `json:"bpf_us_per_request,omitempty"`
+	PassthroughByReason map[string]uint64 `json:"passthrough_messages_by_reason,omitempty"`
 	// PassthroughConnections is the most connections any one repeat left
 	// to TCP, by reason: a single bad repeat shows.
 	PassthroughConnections map[string]uint64 `json:"passthrough_connections_by_reason,omitempty"`
@@ -487,6 +491,13 @@ func summarizeHops(ss []Sample) *HopsSummary {
 		PassthroughBytes:    medU(func(d *AgentDelta) uint64 { return d.PassthroughBytes }),
 		ByHop:               map[string]HopCounters{},
 	}
+	var perReq []float64
+	for _, s := range ss {
+		if s.Agent != nil && s.Requests > 0 && s.Agent.BPFRunSeconds > 0 {
+			perReq = append(perReq, s.Agent.BPFRunSeconds*1e6/float64(s.Requests))
+		}
+	}
+	h.BPFUSPerRequest, _ = Median(perReq)
 	names := map[string]bool{}
 	reasons := map[string]bool{}
 	for _, d := range ds {

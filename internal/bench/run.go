@@ -72,6 +72,7 @@ func deltaOf(d accel.Stats) *AgentDelta {
 		NATPortRemaps:       d.NATPortRemaps,
 		LeftSockets:         d.LeftSockets,
 		Hops:                d.Hops,
+		BPFRunSeconds:       d.BPFRunSeconds,
 	}
 	for k, v := range d.PassthroughByReason {
 		if v > 0 {
@@ -129,6 +130,16 @@ func Run(ctx context.Context, opts Options, env Env, startAgent StartAgentFunc, 
 	r.prog = newProgress(progressOut, steps, total)
 	t0 := time.Now()
 	machine := MachineFacts(t0)
+	// The agent's BPF CPU time (HopsSummary.BPFUSPerRequest) is counted by
+	// the kernel only while its statistics are on.
+	if slices.ContainsFunc(opts.Modes, ModeAgent) {
+		if stats, err := accel.EnableBPFStats(); err != nil {
+			r.notes = append(r.notes, fmt.Sprintf("the agent's BPF CPU time is not reported: %v", err))
+		} else {
+			defer stats.Close()
+			r.notes = append(r.notes, "BPF run-time statistics were on during the bench (a clock read per program run, in the modes with an agent)")
+		}
+	}
 	err := r.runAll(ctx)
 	r.prog.close()
 	if err != nil {

@@ -10,6 +10,8 @@ import (
 	"slices"
 	"strings"
 	"text/tabwriter"
+
+	"github.com/meshwarp/meshwarp/internal/observe"
 )
 
 // Table is one block of the report: the same tables are printed on the
@@ -155,6 +157,9 @@ func (r *Report) fortioTable(wl string) Table {
 			r.ratio(m, ModeDirect, wl, 0, "qps_ratio"), r.ratio(m, ModeDirect, wl, 0, "latency_p50_ratio")})
 	}
 	t.Footer = r.hopLines(wl, 0)
+	if wl == WorkloadHTTP {
+		t.Footer = append(t.Footer, r.breakdownLines()...)
+	}
 	return t
 }
 
@@ -219,7 +224,30 @@ func padRow(row []string, n int) []string {
 	return row
 }
 
-// hopLines says which hops the agent accelerated, per +meshwarp mode.
+// breakdownLines say where an HTTP request's time went, per observing
+// mode (the last repeat's breakdown, as `meshwarp trace`).
+func (r *Report) breakdownLines() []string {
+	var out []string
+	for _, m := range r.Config.Modes {
+		var b *observe.Breakdown
+		for _, s := range r.Runs {
+			if s.Mode == m && s.Workload == WorkloadHTTP && s.Observed != nil && s.Observed.Breakdown != nil {
+				b = s.Observed.Breakdown
+			}
+		}
+		if b == nil {
+			continue
+		}
+		var parts []string
+		for _, seg := range b.Segments {
+			parts = append(parts, fmt.Sprintf("%s %.0fus", seg.Name, seg.MeanSeconds*1e6))
+		}
+		out = append(out, fmt.Sprintf("%s: where the time goes (mean %.0fus): %s", m, b.ClientMeanSeconds*1e6, strings.Join(parts, ", ")))
+	}
+	return out
+}
+
+// hopLines says which hops the agent accelerated, per mode with an agent.
 func (r *Report) hopLines(wl string, size int) []string {
 	var out []string
 	for _, m := range r.Config.Modes {
@@ -241,6 +269,9 @@ func (r *Report) hopLines(wl string, size int) []string {
 		}
 		line := fmt.Sprintf("%s%s: accelerated hops: %s; %.0f messages redirected, %.0f passed through TCP",
 			m, at, acc, h.RedirectedMessages, h.PassthroughMessages)
+		if h.BPFUSPerRequest > 0 {
+			line += fmt.Sprintf("; BPF programs %.2f us per request", h.BPFUSPerRequest)
+		}
 		if len(h.PassthroughConnections) > 0 {
 			var left []string
 			for _, reason := range slices.Sorted(maps.Keys(h.PassthroughConnections)) {

@@ -202,14 +202,15 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 			return errors.Join(err, stop())
 		}
 	}
-	doing := "accelerating TCP"
-	switch {
-	case !o.accelerate:
-		doing = "observing TCP (not accelerating)"
-	case o.observe:
-		doing = "accelerating and observing TCP"
+	observing := ""
+	if o.observe {
+		observing = ", observing it"
 	}
-	fmt.Fprintf(cmd.ErrOrStderr(), "meshwarp: %s in cgroup %s (pins in %s); Ctrl-C to stop\n", doing, o.cgroup, o.pinDir)
+	if o.accelerate {
+		fmt.Fprintf(cmd.ErrOrStderr(), "meshwarp: accelerating TCP in cgroup %s%s (pins in %s); Ctrl-C to stop\n", o.cgroup, observing, o.pinDir)
+	} else {
+		fmt.Fprintf(cmd.ErrOrStderr(), "meshwarp: observing TCP (not accelerating) in cgroup %s (pins in %s); Ctrl-C to stop\n", o.cgroup, o.pinDir)
+	}
 
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
