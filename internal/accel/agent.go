@@ -535,6 +535,12 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 		errs = append(errs, l.Unpin(), l.Close())
 	}
 	a.obs = nil
+	// Links an earlier agent pinned that this one did not take over.
+	for _, name := range linkPins {
+		if err := os.Remove(filepath.Join(a.cfg.PinDir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("unpin %s: %w", name, err))
+		}
+	}
 	errs = append(errs, unpinMaps(a.cfg.PinDir))
 	errs = append(errs, a.Close())
 	errs = append(errs, removePinDir(a.cfg.PinDir))
@@ -657,6 +663,14 @@ func (a *Agent) attachObservation() error {
 				return fmt.Errorf("detach observation (%s): %w", pin, err)
 			}
 			continue
+		}
+		if p.pin == obsRecvPin {
+			// A tracing link's program cannot be replaced (BPF_LINK_UPDATE):
+			// an earlier agent's link goes and a new one comes. Only reads
+			// in between are not seen.
+			if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return fmt.Errorf("replace observation link %s: %w", pin, err)
+			}
 		}
 		l, err := attachOrUpdate(pin, p.prog, p.attach, p.check)
 		if err != nil {
