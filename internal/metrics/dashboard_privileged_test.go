@@ -4,6 +4,7 @@ package metrics
 
 import (
 	"encoding/json"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -11,9 +12,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/testutil"
@@ -46,7 +46,8 @@ type dashboard struct {
 	} `json:"panels"`
 }
 
-var metricName = regexp.MustCompile(`\bmeshwarp_[a-z_]+`)
+// metricName matches the selectors of the dashboard's queries (every one has {instance=~...}).
+var metricName = regexp.MustCompile(`\b((?:meshwarp|http)_[a-z_]+)\{`)
 
 // The dashboard is well formed for the schema version it declares, and every
 // metric its queries use is served by a live agent's /metrics.
@@ -84,33 +85,48 @@ func TestPrivilegedDashboardMetricsExist(t *testing.T) {
 					t.Errorf("panel %q uses $%s, which the dashboard does not define", p.Title, v[1])
 				}
 			}
-			used = append(used, metricName.FindAllString(tg.Expr, -1)...)
+			for _, m := range metricName.FindAllStringSubmatch(tg.Expr, -1) {
+				used = append(used, m[1])
+			}
 		}
 	}
 	slices.Sort(used)
 	used = slices.Compact(used)
 
-	a, err := accel.Start(accel.Config{CgroupPath: testutil.EnterCgroup(t), PinDir: testutil.PinDir(t)}, nil)
+	a, err := accel.Start(accel.Config{CgroupPath: testutil.EnterCgroup(t), PinDir: testutil.PinDir(t), Observe: true}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer a.Uninstall()
-	srv := httptest.NewServer(Handler(a.Stats, nil))
+	srv := httptest.NewServer(Handler(a.Stats, a.Flows))
 	defer srv.Close()
-	resp, err := http.Get(srv.URL + "/metrics")
-	if err != nil {
-		t.Fatal(err)
+	// The RED series exist once there was a request, a reset and a failed connect.
+	app := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	defer app.Close()
+	if resp, err := (&http.Client{Transport: &http.Transport{DisableKeepAlives: true}}).Get(app.URL); err == nil {
+		resp.Body.Close()
 	}
-	defer resp.Body.Close()
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	families, err := parser.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		t.Fatalf("parse /metrics: %v", err)
+	if c, err := net.Dial("tcp4", app.Listener.Addr().String()); err == nil {
+		c.(*net.TCPConn).SetLinger(0)
+		c.Close()
 	}
-	for _, name := range used {
-		if _, ok := families[name]; !ok {
-			t.Errorf("the dashboard queries %s, which the agent does not export", name)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		families := scrape(t, srv.URL)
+		var missing []string
+		for _, name := range used {
+			name = strings.TrimSuffix(strings.TrimSuffix(strings.TrimSuffix(name, "_bucket"), "_count"), "_sum")
+			if _, ok := families[name]; !ok {
+				missing = append(missing, name)
+			}
 		}
+		if len(missing) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the dashboard queries %v, which the agent does not export", missing)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 	t.Logf("%d panels, %d metrics, all exported", len(d.Panels), len(used))
 }
