@@ -14,7 +14,6 @@ import (
 	"testing"
 	"time"
 
-
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
