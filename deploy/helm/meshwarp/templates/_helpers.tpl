@@ -29,6 +29,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - --sidecar-uid={{ .Values.sidecarUID }}
 - --capacity={{ .Values.capacity }}
 - --unpaired-timeout={{ .Values.unpairedTimeout }}
+- --observe={{ .Values.observe }}
+- --accelerate={{ .Values.accelerate }}
 - --config=/etc/meshwarp/policy.yaml
 - --metrics-addr=0.0.0.0:{{ .Values.metrics.port }}
 {{- if .Values.keepDataPathOnUpdate }}
