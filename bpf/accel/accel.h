@@ -188,7 +188,7 @@ struct mw_flow_key {
 	__u32 _pad;
 };
 
-/* mw_flows value, updated with atomic adds. */
+/* mw_flows value, one copy per CPU (summed by Go). */
 struct mw_flow {
 	__u64 count;  /* HTTP: exchanges; TCP: connections ended */
 	__u64 sum_ns; /* of their durations (request to response; TCP: connection lifetime) */
@@ -210,6 +210,7 @@ struct mw_obs_sock {
 	__u64 bytes;      /* payload bytes not yet added to mw_flows */
 	__u64 flushed_ns; /* when they were last added */
 	__u64 app_req_ns; /* a client application's request not yet answered by a read */
+	__u64 peer_seen;  /* paired: the peer's mw_obs_conn.sent when this socket last added it */
 	__u32 req_method; /* enum mw_method of the request in flight */
 	__u32 req_egress; /* the request left through this socket (1) or arrived (0) */
 	__u32 snd_next;   /* end of the highest segment sent / received: retransmitted */
@@ -220,17 +221,17 @@ struct mw_obs_sock {
 
 /*
  * What sk_msg observes of a paired connection (mw_conn.obs): a request in
- * flight and the bytes redirected since they were last added to mw_flows.
+ * flight and the bytes each side redirected.
  */
 struct mw_obs_conn {
 	__u64 req_ns;
 	__u64 req_netns;
-	__u64 bytes;
+	__u64 sent[2];    /* bytes each side redirected, by role - 1 (each written by its own side only) */
 	struct mw_endpoint req_server;
 	__u32 req_role;   /* enum mw_role of the requesting side */
 	__u32 req_point;  /* its enum mw_point */
 	__u32 req_method;
-	__u32 _pad[2];
+	__u32 _pad;
 };
 
 /*

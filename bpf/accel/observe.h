@@ -31,9 +31,11 @@ const volatile __u64 obs_bounds_ns[MW_OBS_BUCKETS - 1];
 /* Bytes of a message or segment looked at: the longest line start we match. */
 #define MW_OBS_PEEK 12
 
+/* Per CPU, allocated per flow: sizeof(struct mw_flow) (216 B) per CPU and flow. */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 16384);
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 8192);
 	__type(key, struct mw_flow_key);
 	__type(value, struct mw_flow);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
@@ -70,18 +72,18 @@ static __always_inline void obs_add(const struct mw_flow_key *k, __u64 d_ns, __u
 		if (!f)
 			return;
 	}
-	if (bytes)
-		__sync_fetch_and_add(&f->bytes, bytes);
+	/* This CPU's copy: plain adds (a program does not migrate while it runs). */
+	f->bytes += bytes;
 	if (!counted)
 		return;
-	__sync_fetch_and_add(&f->count, 1);
-	__sync_fetch_and_add(&f->sum_ns, d_ns);
+	f->count++;
+	f->sum_ns += d_ns;
 	for (i = 0; i < MW_OBS_BUCKETS - 1; i++) {
 		if (d_ns <= obs_bounds_ns[i])
 			break;
 	}
 	if (i < MW_OBS_BUCKETS)
-		__sync_fetch_and_add(&f->buckets[i], 1);
+		f->buckets[i]++;
 }
 
 /* Little-endian word of up to 8 characters (how the first bytes load). */
@@ -283,6 +285,15 @@ static __always_inline void obs_app_request(struct mw_obs_sock *o, __u32 method,
 	o->req_method = method;
 }
 
+/* Add to o what the peer redirected since o last looked (single writer: the peer). */
+static __always_inline void obs_peer_bytes(struct mw_obs_sock *o, struct mw_conn *c, __u32 me)
+{
+	__u64 peer = c->obs.sent[1 - me];
+
+	o->bytes += peer - o->peer_seen;
+	o->peer_seen = peer;
+}
+
 /*
  * sk_msg: a message of a paired connection was redirected. The exchange in
  * flight lives in the connection (mw_conn.obs): its response is sent by the
@@ -296,7 +307,8 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 	struct mw_flow_key k = {};
 	__u8 buf[MW_OBS_PEEK] = {};
 	void *data, *end;
-	__u64 now, d, b;
+	__u64 now, d;
+	__u32 me;
 
 	if (!o)
 		return; /* established before observation started */
@@ -337,30 +349,26 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 		obs_flow_key(&k, o, MW_PROTO_HTTP);
 		obs_exchange(&k, d);
 	}
-	/* Bytes count at the connecting side's point (its socket adds them). */
-	__sync_fetch_and_add(&c->obs.bytes, size);
-	if (st->role == MW_ROLE_ACTIVE && now - o->flushed_ns > MW_OBS_FLUSH_NS) {
-		b = c->obs.bytes;
-		__sync_fetch_and_sub(&c->obs.bytes, b);
-		o->bytes += b;
+	/* Each socket counts what it sent, and adds what its peer sent when it flushes. */
+	me = st->role == MW_ROLE_ACTIVE ? 0 : 1;
+	c->obs.sent[me] += size;
+	o->bytes += size;
+	if (now - o->flushed_ns > MW_OBS_FLUSH_NS) {
+		obs_peer_bytes(o, c, me);
 		obs_flush(o, now);
 	}
 }
 
-/* sock_ops close of a paired connection's connecting side: its last bytes. */
+/* sock_ops close of a paired connection's connecting side (it owns mw_conns): the peer's last bytes. */
 static __always_inline void obs_conn_end(struct bpf_sock *sk, struct mw_conn *c)
 {
 	struct mw_obs_sock *o;
-	__u64 b;
 
 	if (!observe)
 		return;
 	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
-	if (!o)
-		return;
-	b = c->obs.bytes;
-	__sync_fetch_and_sub(&c->obs.bytes, b);
-	o->bytes += b;
+	if (o)
+		obs_peer_bytes(o, c, 0);
 }
 
 /* Serial-number order of TCP sequence numbers. */
@@ -385,6 +393,9 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 	__u8 b0, doff;
 	__u64 now;
 
+	/* Pure ACKs first out: 20 B IPv4 + 32 B TCP with timestamps carry no payload. */
+	if (skb->len <= 52)
+		return 1;
 	sk = skb->sk;
 	if (!sk)
 		return 1;

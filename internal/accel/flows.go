@@ -109,12 +109,21 @@ func (a *Agent) Flows() ([]Flow, error) { return readFlows(a.objs.MwFlows) }
 
 func readFlows(m *ebpf.Map) ([]Flow, error) {
 	var (
-		k   accelMwFlowKey
-		v   accelMwFlow
-		out []Flow
+		k      accelMwFlowKey
+		perCPU []accelMwFlow
+		out    []Flow
 	)
 	it := m.Iterate()
-	for it.Next(&k, &v) {
+	for it.Next(&k, &perCPU) {
+		var v accelMwFlow
+		for _, c := range perCPU {
+			v.Count += c.Count
+			v.SumNs += c.SumNs
+			v.Bytes += c.Bytes
+			for i := range v.Buckets {
+				v.Buckets[i] += c.Buckets[i]
+			}
+		}
 		out = append(out, flowOf(k, v))
 	}
 	if err := it.Err(); err != nil {

@@ -121,6 +121,10 @@ type Options struct {
 	// connection the agent cannot pair (what it costs traffic it does not
 	// accelerate, such as connections to other hosts).
 	QperfUnpaired bool
+	// NoBPFStats leaves the kernel's BPF run-time statistics off: no
+	// agent BPF CPU time in the report, and no clock read per program run in
+	// the measurement (for the observation's own overhead).
+	NoBPFStats bool
 
 	// KeepLab keeps a lab that bench brought up itself.
 	KeepLab bool

@@ -132,7 +132,7 @@ func Run(ctx context.Context, opts Options, env Env, startAgent StartAgentFunc, 
 	machine := MachineFacts(t0)
 	// The agent's BPF CPU time (HopsSummary.BPFUSPerRequest) is counted by
 	// the kernel only while its statistics are on.
-	if slices.ContainsFunc(opts.Modes, ModeAgent) {
+	if slices.ContainsFunc(opts.Modes, ModeAgent) && !opts.NoBPFStats {
 		if stats, err := accel.EnableBPFStats(); err != nil {
 			r.notes = append(r.notes, fmt.Sprintf("the agent's BPF CPU time is not reported: %v", err))
 		} else {

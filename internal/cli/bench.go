@@ -24,6 +24,7 @@ type benchFlags struct {
 	qperfDuration time.Duration
 	qperfLoopback bool
 	qperfUnpaired bool
+	bpfStats      bool
 	repeat        int
 	modes         []string
 	workloads     []string
@@ -75,6 +76,7 @@ that is already up is used and left as it was. Needs root.`,
 	fl.StringSliceVar(&f.sizes, "sizes", nil, "qperf and unix message sizes (e.g. 1,64,256,1K,4K,16K; default those)")
 	fl.IntVar(&f.connections, "connections", bench.DefaultConnections, "fortio connections (http, tcp)")
 	fl.BoolVar(&f.qperfLoopback, "qperf-loopback", false, "run qperf between two sockets of the server pod over 127.0.0.1 (same netns) instead of pod to pod")
+	fl.BoolVar(&f.bpfStats, "bpf-stats", true, "turn on the kernel's BPF run-time statistics to report the agent's BPF CPU per request; they add a clock read per program run (--bpf-stats=false to measure the agent's overhead without them)")
 	fl.BoolVar(&f.qperfUnpaired, "qperf-unpaired", false, "run qperf against a server outside the lab cgroup: a connection meshwarp cannot pair "+
 		"(what the agent costs traffic it does not accelerate; compare direct with direct+meshwarp)")
 	fl.BoolVar(&f.quick, "quick", false, "short CI run: 1s runs, 1 repeat, sizes 64 and 16K, every mode and workload")
@@ -114,6 +116,7 @@ func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
 	opts.PinDir = f.pinDir
 	opts.QperfLoopback = f.qperfLoopback
 	opts.QperfUnpaired = f.qperfUnpaired
+	opts.NoBPFStats = !f.bpfStats
 
 	// The agent and lab log at info on every mode switch: keep the terminal
 	// to the progress bar and the table unless --debug.

@@ -51,12 +51,13 @@ type tapMwConn struct {
 		_         structs.HostLayout
 		ReqNs     uint64
 		ReqNetns  uint64
-		Bytes     uint64
+		Sent      [2]uint64
 		ReqServer tapMwEndpoint
 		ReqRole   uint32
 		ReqPoint  uint32
 		ReqMethod uint32
-		Pad       [2]uint32
+		Pad       uint32
+		_         [4]byte
 	}
 }
 
@@ -130,6 +131,7 @@ type tapMwObsSock struct {
 	Bytes       uint64
 	FlushedNs   uint64
 	AppReqNs    uint64
+	PeerSeen    uint64
 	ReqMethod   uint32
 	ReqEgress   uint32
 	SndNext     uint32
