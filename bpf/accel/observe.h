@@ -390,6 +390,7 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 	struct bpf_sock *sk;
 	__u8 buf[MW_OBS_PEEK] = {};
 	__u32 off, len, seq, end;
+	void *data, *data_end, *tcp;
 	__u8 b0, doff;
 	__u64 now;
 
@@ -405,15 +406,26 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
 	if (!o || !o->start_ns)
 		return 1;
-	/* By the packet's version: a dual-stack socket carries IPv4 too. */
-	if (bpf_skb_load_bytes(skb, 0, &b0, 1))
+	/*
+	 * The headers are in the linear part (direct reads); the payload may
+	 * be in page fragments (bpf_skb_load_bytes). By the packet's version:
+	 * a dual-stack socket carries IPv4 too.
+	 */
+	data = (void *)(long)skb->data;
+	data_end = (void *)(long)skb->data_end;
+	if (data + 1 > data_end)
 		return 1;
+	b0 = *(__u8 *)data;
 	if (b0 >> 4 == 4)
 		off = (b0 & 0xf) * 4;
 	else
 		off = 40; /* a TCP socket's own segments carry no extension headers here */
-	if (bpf_skb_load_bytes(skb, off + 4, &seq, 4) || bpf_skb_load_bytes(skb, off + 12, &doff, 1))
+	off &= 0x3f;
+	tcp = data + off;
+	if (tcp + 20 > data_end)
 		return 1;
+	seq = *(__u32 *)(tcp + 4);
+	doff = *(__u8 *)(tcp + 12);
 	off += (doff >> 4) * 4;
 	if (skb->len <= off)
 		return 1;
