@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"syscall"
 	"time"
 
@@ -180,6 +181,9 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 	if err != nil {
 		return err
 	}
+	// Loading parsed the object and the kernel's BTF (tens of MB, garbage
+	// now): give it back, so the agent's resident memory is what it keeps.
+	debug.FreeOSMemory()
 	stop := func() error {
 		keep := o.keepOnExit
 		if keepWhile != nil {
