@@ -158,10 +158,10 @@ static __always_inline bool local_remote(const struct mw_tuple *t)
  * uid's connections to its own pod are its inbound side), accepted ones by
  * the port they were captured to.
  */
-static __always_inline __u32 obs_point(struct bpf_sock *sk, const struct mw_tuple *t, bool active)
+static __always_inline __u32 obs_point(__u32 uid, const struct mw_tuple *t, bool active)
 {
 	if (active) {
-		if (socket_uid(sk) != sidecar_uid)
+		if (uid != sidecar_uid)
 			return MW_POINT_CLIENT;
 		return local_remote(t) ? MW_POINT_INBOUND_OUT : MW_POINT_OUTBOUND_OUT;
 	}
@@ -224,7 +224,7 @@ static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_so
 	__builtin_memset(o, 0, sizeof(*o));
 	o->server = active ? t.remote : t.local;
 	o->netns = netns_inode(sk);
-	o->point = obs_point(sk, &t, active);
+	o->point = obs_point(socket_uid(sk), &t, active);
 	o->start_ns = bpf_ktime_get_ns();
 	o->flushed_ns = o->start_ns;
 	if (!(cb_flags & BPF_SOCK_OPS_STATE_CB_FLAG)) {
@@ -371,6 +371,57 @@ static __always_inline void obs_conn_end(struct bpf_sock *sk, struct mw_conn *c)
 		obs_peer_bytes(o, c, 0);
 }
 
+/* A full socket's endpoints (cgroup_skb), IPv4 as v4-mapped; single loads at fixed offsets (see sockops_tuple). */
+static __always_inline void bpf_sock_tuple(struct bpf_sock *sk, struct mw_tuple *t)
+{
+	__u32 family = CTX_READ(sk->family);
+	__u32 lip4 = CTX_READ(sk->src_ip4), rip4 = CTX_READ(sk->dst_ip4);
+	__u32 l0 = CTX_READ(sk->src_ip6[0]), l1 = CTX_READ(sk->src_ip6[1]);
+	__u32 l2 = CTX_READ(sk->src_ip6[2]), l3 = CTX_READ(sk->src_ip6[3]);
+	__u32 r0 = CTX_READ(sk->dst_ip6[0]), r1 = CTX_READ(sk->dst_ip6[1]);
+	__u32 r2 = CTX_READ(sk->dst_ip6[2]), r3 = CTX_READ(sk->dst_ip6[3]);
+	__u32 lport = CTX_READ(sk->src_port);
+	__u16 rport = *(volatile __u16 *)&sk->dst_port;
+
+	if (family == AF_INET) {
+		set_v4_mapped(t->local.addr, lip4);
+		set_v4_mapped(t->remote.addr, rip4);
+	} else {
+		t->local.addr[0] = l0;
+		t->local.addr[1] = l1;
+		t->local.addr[2] = l2;
+		t->local.addr[3] = l3;
+		t->remote.addr[0] = r0;
+		t->remote.addr[1] = r1;
+		t->remote.addr[2] = r2;
+		t->remote.addr[3] = r3;
+	}
+	t->local.port_host = lport;
+	t->remote.port_host = bpf_ntohs(rport);
+}
+
+/*
+ * A socket established before the observation started (an agent installed
+ * under load) carries an HTTP request: classify it now, by the request's
+ * direction (the side that sends requests is the client). Its TCP end is not
+ * recorded (no STATE_CB), its HTTP exchanges are.
+ */
+static __always_inline struct mw_obs_sock *obs_late(struct __sk_buff *skb, struct bpf_sock *sk, bool egress, __u64 now)
+{
+	struct mw_obs_sock *o = bpf_sk_storage_get(&mw_obs_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	struct mw_tuple t = {};
+
+	if (!o)
+		return NULL;
+	bpf_sock_tuple(sk, &t);
+	o->server = egress ? t.remote : t.local;
+	o->netns = netns_inode(sk);
+	o->point = obs_point(bpf_get_socket_uid(skb), &t, egress);
+	o->start_ns = now;
+	o->flushed_ns = now;
+	return o;
+}
+
 /* Serial-number order of TCP sequence numbers. */
 static __always_inline bool seq_after(__u32 a, __u32 b)
 {
@@ -404,8 +455,8 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 	if (!sk || sk->protocol != IPPROTO_TCP)
 		return 1;
 	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
-	if (!o || !o->start_ns)
-		return 1;
+	if (o && !o->start_ns)
+		return 1; /* its end was recorded */
 	/*
 	 * The headers are in the linear part (direct reads); the payload may
 	 * be in page fragments (bpf_skb_load_bytes). By the packet's version:
@@ -430,6 +481,16 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 	if (skb->len <= off)
 		return 1;
 	len = skb->len - off;
+	if (!o) {
+		/* Unknown socket: only a request makes it known. */
+		if (len < MW_OBS_PEEK || bpf_skb_load_bytes(skb, off, buf, MW_OBS_PEEK) ||
+		    http_start(buf, &method, &status) != MW_HTTP_REQUEST)
+			return 1;
+		o = obs_late(skb, sk, egress, bpf_ktime_get_ns());
+		if (!o)
+			return 1;
+		kind = MW_HTTP_REQUEST;
+	}
 	seq = bpf_ntohl(seq);
 	end = seq + len;
 	/* Seen already (a retransmission): neither its bytes nor its start count twice. */
@@ -443,7 +504,7 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 	else
 		o->rcv_next = end;
 	now = bpf_ktime_get_ns();
-	if (len >= MW_OBS_PEEK && bpf_skb_load_bytes(skb, off, buf, MW_OBS_PEEK) == 0)
+	if (kind == MW_HTTP_NONE && len >= MW_OBS_PEEK && bpf_skb_load_bytes(skb, off, buf, MW_OBS_PEEK) == 0)
 		kind = http_start(buf, &method, &status);
 	if (kind == MW_HTTP_REQUEST) {
 		if (egress)

@@ -31,7 +31,7 @@ var (
 		"Lifetime of TCP connections of the cgroup that ended, by observation point and outcome (closed; errors: reset, connect_failed).",
 		[]string{"point", "outcome", "server_port", "meshwarp_accelerated"}, nil)
 	descTCPBytes = prometheus.NewDesc("meshwarp_tcp_bytes_total",
-		"Payload bytes of TCP connections of the cgroup, both directions, by observation point (accelerated connections: at the connecting side only).",
+		"Payload bytes of TCP connections of the cgroup, both directions, by observation point (added at least every second while a socket sends, and at its end).",
 		[]string{"point", "server_port", "meshwarp_accelerated"}, nil)
 	descFlowsErr = prometheus.NewDesc("meshwarp_observe_scrape_error",
 		"1 if the last read of the observation map failed.", nil, nil)

@@ -31,14 +31,33 @@ func TestPrivilegedREDMetrics(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	for _, accelerate := range []bool{true, false} {
 		t.Run("accelerate="+strconv.FormatBool(accelerate), func(t *testing.T) {
+			cgroup := testutil.EnterCgroup(t)
+			// A connection established before the agent (installed under load).
+			early := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "early") }))
+			defer early.Close()
+			earlyClient := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1, MaxConnsPerHost: 1}}
+			get := func(c *http.Client, url string) {
+				resp, err := c.Get(url)
+				if err != nil {
+					t.Fatal(err)
+				}
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+			get(earlyClient, early.URL)
+
 			a, err := accel.Start(accel.Config{
-				CgroupPath: testutil.EnterCgroup(t), PinDir: testutil.PinDir(t),
+				CgroupPath: cgroup, PinDir: testutil.PinDir(t),
 				Observe: true, ObserveOnly: !accelerate,
 			}, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer a.Uninstall()
+			const earlyGets = 30
+			for range earlyGets {
+				get(earlyClient, early.URL)
+			}
 
 			// The application: 200 on /ok, 503 on /fail.
 			app := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -109,6 +128,14 @@ func TestPrivilegedREDMetrics(t *testing.T) {
 						if gotLabel := histCount(fams[side], labels); got != w.n || gotLabel != w.n {
 							errs = append(errs, fmt.Errorf("%s %v: %d requests (%d with meshwarp_accelerated=%s), want %d", side, labels, got, gotLabel, wantLabel, w.n))
 						}
+					}
+				}
+				// Requests on the connection made before the agent: seen, not accelerated.
+				earlyPort := strconv.Itoa(early.Listener.Addr().(*net.TCPAddr).Port)
+				for _, side := range []string{"http_server_request_duration_seconds", "http_client_request_duration_seconds"} {
+					labels := map[string]string{"server_port": earlyPort, "meshwarp_accelerated": "false", "http_response_status_code": "200"}
+					if n := histCount(fams[side], labels); n != earlyGets {
+						errs = append(errs, fmt.Errorf("%s on a connection older than the agent: %d requests, want %d", side, n, earlyGets))
 					}
 				}
 				tcp := fams["meshwarp_tcp_connection_duration_seconds"]
