@@ -117,6 +117,11 @@ type Config struct {
 	// ObserveOnly accelerates nothing: no socket joins the SOCKHASH (an
 	// observe-only node, or the baseline of the observation's own cost).
 	ObserveOnly bool
+	// ObserveReads also records client applications' reads of their
+	// responses (the breakdown's outermost point). It runs a program on every
+	// socket read of the node, so the agent leaves it to `meshwarp trace`,
+	// which attaches it while it samples (TraceReads); the bench sets it.
+	ObserveReads bool
 }
 
 // DataPathConstants are the data path's load-time settings for cfg (the
@@ -658,7 +663,7 @@ func (a *Agent) attachObservation() error {
 	}
 	for _, p := range progs {
 		pin := filepath.Join(a.cfg.PinDir, p.pin)
-		if !a.cfg.Observe {
+		if !a.cfg.Observe || (p.pin == obsRecvPin && !a.cfg.ObserveReads) {
 			if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
 				return fmt.Errorf("detach observation (%s): %w", pin, err)
 			}

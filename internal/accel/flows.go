@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 )
 
 // ObsBucketBounds are the upper bounds of the duration histograms the
@@ -200,4 +202,48 @@ func boolU32(b bool) uint32 {
 		return 1
 	}
 	return 0
+}
+
+// TraceReads attaches the observation of client applications' reads
+// (mw_obs_recv, the point client_app) against the maps of the agent pinned
+// at pinDir, until the returned closer is closed or the process exits (the
+// link is not pinned). `meshwarp trace` uses it while it samples.
+func TraceReads(pinDir string) (io.Closer, error) {
+	if pinDir == "" {
+		pinDir = DefaultPinDir
+	}
+	spec, err := loadAccel()
+	if err != nil {
+		return nil, err
+	}
+	consts, err := obsConstants(Config{Observe: true})
+	if err != nil {
+		return nil, err
+	}
+	for name, v := range consts {
+		if err := spec.Variables[name].Set(v); err != nil {
+			return nil, fmt.Errorf("set %s: %w", name, err)
+		}
+	}
+	replace := map[string]*ebpf.Map{}
+	for _, name := range []string{"mw_obs_store", "mw_flows", "mw_stats"} {
+		m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, name), nil)
+		if err != nil {
+			return nil, fmt.Errorf("no meshwarp agent is attached at %s (%w): start one with `meshwarp run`", pinDir, errors.Unwrap(err))
+		}
+		defer m.Close()
+		replace[name] = m
+	}
+	var objs struct {
+		Recv *ebpf.Program `ebpf:"mw_obs_recv"`
+	}
+	if err := spec.LoadAndAssign(&objs, &ebpf.CollectionOptions{MapReplacements: replace}); err != nil {
+		return nil, fmt.Errorf("load the read observation against the agent's maps at %s (same meshwarp build?): %w", pinDir, err)
+	}
+	defer objs.Recv.Close()
+	l, err := link.AttachTracing(link.TracingOptions{Program: objs.Recv})
+	if err != nil {
+		return nil, fmt.Errorf("attach the read observation (tracepoint sock:sock_recv_length): %w", err)
+	}
+	return l, nil
 }

@@ -134,6 +134,8 @@ func StartAccel(logger *slog.Logger) StartAgentFunc {
 		a, err := accel.Start(accel.Config{
 			CgroupPath: cgroupPath, PinDir: pinDir, SidecarUID: SidecarUID,
 			Observe: s.Observe, ObserveOnly: !s.Accelerate,
+			// The breakdown in the report starts at the client's own read.
+			ObserveReads: s.Observe,
 		}, logger)
 		if err != nil {
 			return nil, err

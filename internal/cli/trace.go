@@ -30,6 +30,9 @@ func newTraceCommand(_ *globalOptions) *cobra.Command {
 		Long: `trace samples the HTTP/1.x exchanges the running agent observes for --duration
 and prints where the time of a request goes, from the client application inwards:
 
+  socket -> client app          the response waits in the client's socket until the
+                                client reads it (wakeup, read); observed while trace runs
+
   app -> sidecar (kernel)       client app's socket to the client sidecar and back
   client sidecar (proxy)        the client-side sidecar, receive to forward, both ways
   sidecar -> sidecar (kernel)   between the pods
@@ -53,6 +56,16 @@ dialled, so --port filters every other point and keeps those.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if duration <= 0 || duration > time.Hour {
 				return usageError("--duration %v: give 1s..1h (default 5s)", duration)
+			}
+			if _, err := accel.ReadPinnedFlows(pinDir); err != nil {
+				return withExit(ExitNotReady, err)
+			}
+			// The client application's reads, observed while trace samples.
+			reads, err := accel.TraceReads(pinDir)
+			if err != nil {
+				fmt.Fprintf(cmd.ErrOrStderr(), "meshwarp trace: without the client application's read time: %v\n", err)
+			} else {
+				defer reads.Close()
 			}
 			before, err := accel.ReadPinnedFlows(pinDir)
 			if err != nil {
