@@ -10,7 +10,10 @@
  *   sk_msg       paired connections: their bytes never become packets, so
  *                the redirect itself looks at each message's first bytes.
  *   cgroup_skb   every other connection: the first bytes of each segment
- *                (retransmissions skipped by sequence number).
+ *                (retransmissions skipped by sequence number); a socket older
+ *                than the observation is classified at its first request.
+ *   tp_btf       sock:sock_recv_length: a client application's first read of
+ *                its response (attached by `meshwarp trace` while it samples).
  * HTTP/1.x only by its first line ("shallow parsing"): a request line starts
  * an exchange, the next final status line (>= 200) the other way ends it.
  * One exchange in flight per connection: a pipelined request replaces the
