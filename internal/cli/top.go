@@ -41,7 +41,8 @@ func newTopCommand(_ *globalOptions) *cobra.Command {
 and server address:port, from the running agent's observation:
 
   CLIENT    the client's pod (named network namespace), "host", or a process in
-            an unnamed namespace
+            an unnamed namespace; "(outside the cgroup)": a server application of
+            the cgroup whose clients are not in it (the row is the server's view)
   SERVER    the address:port the client dialled (before the sidecar's capture)
   PROTO     http when HTTP/1.x exchanges were seen, else tcp
   REQ/S     HTTP requests per second; tcp: connections that ended per second

@@ -16,8 +16,9 @@ import (
 )
 
 // Row is one flow of the node as `meshwarp top` shows it: an application of
-// the cgroup (by its pod, i.e. network namespace) talking to one server.
-// Rates are per second over the sampled interval.
+// the cgroup (by its pod, i.e. network namespace) talking to one server, or,
+// when the client is outside the cgroup, what the server application saw
+// (Client UnobservedClient). Rates are per second over the sampled interval.
 type Row struct {
 	Client string `json:"client"` // the client's pod (named network namespace) or process
 	Server string `json:"server"` // the address:port the client dialled
@@ -63,68 +64,93 @@ func Rows(delta []accel.Flow, seconds float64, names map[uint64]string) []Row {
 		netns  uint64
 		server string
 	}
-	aggs := map[key]*rowAgg{}
+	clients := map[key]*rowAgg{}    // applications of the cgroup as clients
+	servers := map[string]*rowAgg{} // applications as servers, for clients outside the cgroup
 	sidecar := map[uint64]bool{}
 	for _, f := range delta {
-		if f.Point == accel.PointOutboundIn {
+		var a *rowAgg
+		switch f.Point {
+		case accel.PointOutboundIn:
 			sidecar[f.Netns] = true
-		}
-		if f.Point != accel.PointClient {
 			continue
-		}
-		k := key{f.Netns, f.Server.String()}
-		a := aggs[k]
-		if a == nil {
-			a = &rowAgg{}
-			aggs[k] = a
-		}
-		if f.Error() {
-			a.errors += f.Count
-		}
-		switch {
-		case f.Proto == "http":
-			a.http.add(f)
-		case f.Outcome == "open" || f.Count == 0:
-			a.bytes += f.Bytes
-			if f.Accelerated {
-				a.accBytes += f.Bytes
+		case accel.PointClient:
+			k := key{f.Netns, f.Server.String()}
+			if a = clients[k]; a == nil {
+				a = &rowAgg{}
+				clients[k] = a
+			}
+		case accel.PointServer:
+			if a = servers[f.Server.String()]; a == nil {
+				a = &rowAgg{}
+				servers[f.Server.String()] = a
 			}
 		default:
-			a.tcp.add(f)
-			a.bytes += f.Bytes
-			if f.Accelerated {
-				a.accBytes += f.Bytes
-			}
+			continue
 		}
+		a.add(f)
 	}
 	var rows []Row
-	for k, a := range aggs {
+	seen := map[string]bool{}
+	for k, a := range clients {
 		r := Row{Client: name(names, k.netns), Server: k.server, Hop: "direct"}
 		if sidecar[k.netns] {
 			r.Hop = "sidecar"
 		}
-		h := &a.tcp
-		r.Protocol = "tcp"
-		if a.http.count > 0 {
-			h, r.Protocol = &a.http, "http"
+		if a.fill(&r, seconds) {
+			rows = append(rows, r)
+			seen[k.server] = true
 		}
-		r.RequestsPerSecond = float64(h.count) / seconds
-		r.ErrorsPerSecond = float64(a.errors) / seconds
-		r.BytesPerSecond = float64(a.bytes) / seconds
-		r.P50Seconds, r.P99Seconds = Quantile(h.buckets, 0.5), Quantile(h.buckets, 0.99)
-		switch {
-		case r.Protocol == "http":
-			r.AcceleratedShare = float64(h.accelerated) / float64(h.count)
-		case a.bytes > 0:
-			r.AcceleratedShare = float64(a.accBytes) / float64(a.bytes)
+	}
+	// Servers whose clients the observation does not see (outside the cgroup).
+	for server, a := range servers {
+		r := Row{Client: UnobservedClient, Server: server, Hop: "-"}
+		if !seen[server] && a.fill(&r, seconds) {
+			rows = append(rows, r)
 		}
-		if r.RequestsPerSecond == 0 && r.BytesPerSecond == 0 {
-			continue
-		}
-		rows = append(rows, r)
 	}
 	SortRows(rows, SortRequests)
 	return rows
+}
+
+// UnobservedClient names the client of a row seen only at its server (a
+// client outside the agent's cgroup).
+const UnobservedClient = "(outside the cgroup)"
+
+func (a *rowAgg) add(f accel.Flow) {
+	if f.Error() {
+		a.errors += f.Count
+	}
+	switch {
+	case f.Proto == "http":
+		a.http.add(f)
+		return
+	case f.Outcome != "open" && f.Count > 0:
+		a.tcp.add(f)
+	}
+	a.bytes += f.Bytes
+	if f.Accelerated {
+		a.accBytes += f.Bytes
+	}
+}
+
+// fill sets r's values from a; false when there was no activity.
+func (a *rowAgg) fill(r *Row, seconds float64) bool {
+	h := &a.tcp
+	r.Protocol = "tcp"
+	if a.http.count > 0 {
+		h, r.Protocol = &a.http, "http"
+	}
+	r.RequestsPerSecond = float64(h.count) / seconds
+	r.ErrorsPerSecond = float64(a.errors) / seconds
+	r.BytesPerSecond = float64(a.bytes) / seconds
+	r.P50Seconds, r.P99Seconds = Quantile(h.buckets, 0.5), Quantile(h.buckets, 0.99)
+	switch {
+	case r.Protocol == "http":
+		r.AcceleratedShare = float64(h.accelerated) / float64(h.count)
+	case a.bytes > 0:
+		r.AcceleratedShare = float64(a.accBytes) / float64(a.bytes)
+	}
+	return r.RequestsPerSecond > 0 || r.BytesPerSecond > 0
 }
 
 // SortRows orders rows by one of SortOrders, largest first.
