@@ -320,34 +320,43 @@ struct mw_tuple {
 /* A volatile load stays a single ctx load at a fixed offset. */
 #define CTX_READ(field) (*(volatile __u32 *)&(field))
 
-static __always_inline void sockops_tuple(struct bpf_sock_ops *skops, struct mw_tuple *t)
-{
-	__u32 family = CTX_READ(skops->family);
-	__u32 lip4 = CTX_READ(skops->local_ip4);  /* network order */
-	__u32 rip4 = CTX_READ(skops->remote_ip4); /* network order */
-	__u32 l0 = CTX_READ(skops->local_ip6[0]), l1 = CTX_READ(skops->local_ip6[1]);
-	__u32 l2 = CTX_READ(skops->local_ip6[2]), l3 = CTX_READ(skops->local_ip6[3]);
-	__u32 r0 = CTX_READ(skops->remote_ip6[0]), r1 = CTX_READ(skops->remote_ip6[1]);
-	__u32 r2 = CTX_READ(skops->remote_ip6[2]), r3 = CTX_READ(skops->remote_ip6[3]);
-	/* local_port: host order. remote_port: network order in the upper 16 bits. */
-	__u32 lport = CTX_READ(skops->local_port);
-	__u32 rport = bpf_ntohl(CTX_READ(skops->remote_port)) & 0xffff;
+/*
+ * The address fields of a context (sock_ops, sk_msg and bpf_sock name them
+ * alike), each read once at its fixed offset (network order).
+ */
+#define CTX_ADDRS(ctx, fam, l4, r4, l6, r6)                                                           \
+	__u32 family = CTX_READ((ctx)->fam);                                                          \
+	__u32 lip4 = CTX_READ((ctx)->l4), rip4 = CTX_READ((ctx)->r4);                                  \
+	__u32 l6_[4] = { CTX_READ((ctx)->l6[0]), CTX_READ((ctx)->l6[1]), CTX_READ((ctx)->l6[2]),      \
+			 CTX_READ((ctx)->l6[3]) };                                                    \
+	__u32 r6_[4] = { CTX_READ((ctx)->r6[0]), CTX_READ((ctx)->r6[1]), CTX_READ((ctx)->r6[2]),      \
+			 CTX_READ((ctx)->r6[3]) }
 
+/* A tuple from CTX_ADDRS's values and the ports (host order); IPv4 as v4-mapped. */
+static __always_inline void fill_tuple(struct mw_tuple *t, __u32 family, __u32 lip4, __u32 rip4,
+				       const __u32 *l6, const __u32 *r6, __u32 lport, __u32 rport)
+{
 	if (family == AF_INET) {
 		set_v4_mapped(t->local.addr, lip4);
 		set_v4_mapped(t->remote.addr, rip4);
 	} else {
-		t->local.addr[0] = l0;
-		t->local.addr[1] = l1;
-		t->local.addr[2] = l2;
-		t->local.addr[3] = l3;
-		t->remote.addr[0] = r0;
-		t->remote.addr[1] = r1;
-		t->remote.addr[2] = r2;
-		t->remote.addr[3] = r3;
+		for (int i = 0; i < 4; i++) {
+			t->local.addr[i] = l6[i];
+			t->remote.addr[i] = r6[i];
+		}
 	}
 	t->local.port_host = lport;
 	t->remote.port_host = rport;
+}
+
+static __always_inline void sockops_tuple(struct bpf_sock_ops *skops, struct mw_tuple *t)
+{
+	CTX_ADDRS(skops, family, local_ip4, remote_ip4, local_ip6, remote_ip6);
+	/* local_port: host order. remote_port: network order in the upper 16 bits. */
+	__u32 lport = CTX_READ(skops->local_port);
+	__u32 rport = bpf_ntohl(CTX_READ(skops->remote_port)) & 0xffff;
+
+	fill_tuple(t, family, lip4, rip4, l6_, r6_, lport, rport);
 }
 
 static __always_inline bool addr_eq(const struct mw_endpoint *a, const struct mw_endpoint *b)
@@ -1206,31 +1215,14 @@ struct {
 
 static __always_inline void msg_endpoints(struct sk_msg_md *msg, struct mw_endpoint *local, struct mw_endpoint *remote)
 {
-	/* Single volatile loads at fixed offsets (see sockops_tuple). */
-	__u32 family = CTX_READ(msg->family);
-	__u32 lip4 = CTX_READ(msg->local_ip4), rip4 = CTX_READ(msg->remote_ip4);
-	__u32 l0 = CTX_READ(msg->local_ip6[0]), l1 = CTX_READ(msg->local_ip6[1]);
-	__u32 l2 = CTX_READ(msg->local_ip6[2]), l3 = CTX_READ(msg->local_ip6[3]);
-	__u32 r0 = CTX_READ(msg->remote_ip6[0]), r1 = CTX_READ(msg->remote_ip6[1]);
-	__u32 r2 = CTX_READ(msg->remote_ip6[2]), r3 = CTX_READ(msg->remote_ip6[3]);
+	CTX_ADDRS(msg, family, local_ip4, remote_ip4, local_ip6, remote_ip6);
 	__u32 lport = CTX_READ(msg->local_port);
 	__u32 rport = bpf_ntohl(CTX_READ(msg->remote_port)) & 0xffff;
+	struct mw_tuple t = {};
 
-	if (family == AF_INET) {
-		set_v4_mapped(local->addr, lip4);
-		set_v4_mapped(remote->addr, rip4);
-	} else {
-		local->addr[0] = l0;
-		local->addr[1] = l1;
-		local->addr[2] = l2;
-		local->addr[3] = l3;
-		remote->addr[0] = r0;
-		remote->addr[1] = r1;
-		remote->addr[2] = r2;
-		remote->addr[3] = r3;
-	}
-	local->port_host = lport;
-	remote->port_host = rport;
+	fill_tuple(&t, family, lip4, rip4, l6_, r6_, lport, rport);
+	*local = t.local;
+	*remote = t.remote;
 }
 
 static __always_inline void tap_record(struct sk_msg_md *msg, struct mw_sk_state *st, __u32 size)

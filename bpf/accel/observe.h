@@ -374,33 +374,14 @@ static __always_inline void obs_conn_end(struct bpf_sock *sk, struct mw_conn *c)
 		obs_peer_bytes(o, c, 0);
 }
 
-/* A full socket's endpoints (cgroup_skb), IPv4 as v4-mapped; single loads at fixed offsets (see sockops_tuple). */
+/* A full socket's endpoints (cgroup_skb). */
 static __always_inline void bpf_sock_tuple(struct bpf_sock *sk, struct mw_tuple *t)
 {
-	__u32 family = CTX_READ(sk->family);
-	__u32 lip4 = CTX_READ(sk->src_ip4), rip4 = CTX_READ(sk->dst_ip4);
-	__u32 l0 = CTX_READ(sk->src_ip6[0]), l1 = CTX_READ(sk->src_ip6[1]);
-	__u32 l2 = CTX_READ(sk->src_ip6[2]), l3 = CTX_READ(sk->src_ip6[3]);
-	__u32 r0 = CTX_READ(sk->dst_ip6[0]), r1 = CTX_READ(sk->dst_ip6[1]);
-	__u32 r2 = CTX_READ(sk->dst_ip6[2]), r3 = CTX_READ(sk->dst_ip6[3]);
+	CTX_ADDRS(sk, family, src_ip4, dst_ip4, src_ip6, dst_ip6);
 	__u32 lport = CTX_READ(sk->src_port);
 	__u16 rport = *(volatile __u16 *)&sk->dst_port;
 
-	if (family == AF_INET) {
-		set_v4_mapped(t->local.addr, lip4);
-		set_v4_mapped(t->remote.addr, rip4);
-	} else {
-		t->local.addr[0] = l0;
-		t->local.addr[1] = l1;
-		t->local.addr[2] = l2;
-		t->local.addr[3] = l3;
-		t->remote.addr[0] = r0;
-		t->remote.addr[1] = r1;
-		t->remote.addr[2] = r2;
-		t->remote.addr[3] = r3;
-	}
-	t->local.port_host = lport;
-	t->remote.port_host = bpf_ntohs(rport);
+	fill_tuple(t, family, lip4, rip4, l6_, r6_, lport, bpf_ntohs(rport));
 }
 
 /*

@@ -104,6 +104,7 @@ var mapTypes = []struct {
 	{"map SOCKHASH", ebpf.SockHash, "holds the accelerated sockets", configSockMsg},
 	{"map HASH", ebpf.Hash, "socket pairing and policy", configBPF},
 	{"map PERCPU_ARRAY", ebpf.PerCPUArray, "counters", configBPF},
+	{"map PERCPU_HASH", ebpf.PerCPUHash, "observation: the flow table", configBPF},
 	{"map ARRAY", ebpf.Array, "settings", configBPF},
 	{"map LPM_TRIE", ebpf.LPMTrie, "CIDR policy", configBPF},
 	{"map LRU_HASH", ebpf.LRUHash, "connect and SYN notes, learned ports and processes", configBPF},
@@ -144,6 +145,8 @@ var helpers = []struct {
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkFullsock, "bpf_sk_fullsock", "observation: the segment's socket", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkStorageGet, "bpf_sk_storage_get", "observation: per-socket state", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkbLoadBytes, "bpf_skb_load_bytes", "observation: the segment's first bytes", configCgroup},
+	{ebpf.CGroupSKB, "cgroup_skb", asm.FnGetSocketUid, "bpf_get_socket_uid", "observation: a socket older than the agent, its owner", configCgroup},
+	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkcToTcpSock, "bpf_skc_to_tcp_sock", "observation: a socket older than the agent, its network namespace (BTF)", configBTF},
 	{ebpf.TracePoint, "tracepoint", asm.FnProbeReadUser, "bpf_probe_read_user", "reads the value of setsockopt(SO_RCVLOWAT) (syscall watch)", configTrace},
 }
 
