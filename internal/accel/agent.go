@@ -171,7 +171,8 @@ type Agent struct {
 	objs    accelObjects
 	sockops link.Link
 	skmsg   link.Link
-	// obs are the observation's cgroup_skb links (egress, ingress), pinned like the rest.
+	// obs are the observation's links (cgroup_skb egress and ingress, and the read
+	// tracepoint with Config.ObserveReads), pinned like the rest.
 	obs []link.Link
 	// watches learn unfit sockets (watch.go) while this process runs: not
 	// pinned, so between agents nothing is learned, while the data path

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"os"
 	"slices"
 	"strings"
 	"text/tabwriter"
@@ -13,6 +14,7 @@ import (
 
 	tea "charm.land/bubbletea/v2"
 	"github.com/spf13/cobra"
+	"golang.org/x/term"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/observe"
@@ -79,6 +81,9 @@ p50_seconds, p99_seconds, bytes_per_second, accelerated_share, hop).`,
 				return withExit(ExitNotReady, err)
 			}
 			if !once {
+				if f, ok := cmd.OutOrStdout().(*os.File); ok && !term.IsTerminal(int(f.Fd())) {
+					return usageError("the live view needs a terminal: in scripts use --once (with --json for JSON)")
+				}
 				p := tea.NewProgram(top.New(read, interval, sortBy, filter),
 					tea.WithContext(cmd.Context()), tea.WithInput(cmd.InOrStdin()), tea.WithOutput(cmd.OutOrStdout()))
 				_, err := p.Run()
