@@ -32,7 +32,6 @@ and prints where the time of a request goes, from the client application inwards
 
   socket -> client app          the response waits in the client's socket until the
                                 client reads it (wakeup, read); observed while trace runs
-
   app -> sidecar (kernel)       client app's socket to the client sidecar and back
   client sidecar (proxy)        the client-side sidecar, receive to forward, both ways
   sidecar -> sidecar (kernel)   between the pods
@@ -43,7 +42,8 @@ and prints where the time of a request goes, from the client application inwards
 Without sidecars the hop is "app -> app (kernel)". Each segment is the
 difference between the mean durations at two observation points (the sockets
 on either side of it), so the segments' means add up to client_mean_seconds,
-the exchange as the client's socket saw it. p50/p99 of a segment are the
+the exchange as the client application saw it (request sent to its first read
+of the response). p50/p99 of a segment are the
 differences of the points' quantiles. On an accelerated hop the redirect
 delivers a message when it is sent, so its kernel segment is ~0.
 
