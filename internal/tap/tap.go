@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -87,6 +88,12 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 		return res, fmt.Errorf("load tap spec: %w", err)
 	}
 	consts := accel.DataPathConstants(accel.Config{})
+	// The agent's observation goes on while the tap's program stands in.
+	obs, err := accel.ObservationConstants(o.PinDir)
+	if err != nil {
+		return res, err
+	}
+	maps.Copy(consts, obs)
 	consts["tap_snaplen"] = uint32(o.Snaplen)
 	consts["tap_port"] = uint32(o.Port)
 	consts["tap_netns"] = netnsCookie
