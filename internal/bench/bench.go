@@ -86,6 +86,8 @@ func ModeAgent(mode string) bool { return strings.Contains(mode, "+") }
 // defaults (accelerate and observe), +observe and +accelerate one of them.
 type AgentSettings struct {
 	Observe, Accelerate bool
+	// ObserveReads: accel.Config.ObserveReads (the breakdown's client_app point).
+	ObserveReads bool
 }
 
 // ModeAgentSettings returns the settings of mode's agent (zero without one).
@@ -125,6 +127,10 @@ type Options struct {
 	// agent BPF CPU time in the report, and no clock read per program run in
 	// the measurement (for the observation's own overhead).
 	NoBPFStats bool
+	// NoObserveReads runs observing agents without the client read
+	// tracepoint, as `meshwarp run` does: no client_app point in the
+	// breakdown, and the observation's cost as run pays it.
+	NoObserveReads bool
 
 	// KeepLab keeps a lab that bench brought up itself.
 	KeepLab bool

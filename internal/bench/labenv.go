@@ -135,7 +135,7 @@ func StartAccel(logger *slog.Logger) StartAgentFunc {
 			CgroupPath: cgroupPath, PinDir: pinDir, SidecarUID: SidecarUID,
 			Observe: s.Observe, ObserveOnly: !s.Accelerate,
 			// The breakdown in the report starts at the client's own read.
-			ObserveReads: s.Observe,
+			ObserveReads: s.ObserveReads,
 		}, logger)
 		if err != nil {
 			return nil, err

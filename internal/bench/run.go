@@ -258,7 +258,9 @@ func (r *runner) runMode(ctx context.Context, rep int, mode string) (err error) 
 	}
 	var agent Agent
 	if ModeAgent(mode) {
-		agent, err = r.start(r.env.CgroupPath(), r.opts.PinDir, ModeAgentSettings(mode))
+		settings := ModeAgentSettings(mode)
+		settings.ObserveReads = settings.Observe && !r.opts.NoObserveReads
+		agent, err = r.start(r.env.CgroupPath(), r.opts.PinDir, settings)
 		if err != nil {
 			return fmt.Errorf("start meshwarp agent for %s: %w", mode, err)
 		}

@@ -25,6 +25,7 @@ type benchFlags struct {
 	qperfLoopback bool
 	qperfUnpaired bool
 	bpfStats      bool
+	observeReads  bool
 	repeat        int
 	modes         []string
 	workloads     []string
@@ -77,6 +78,7 @@ that is already up is used and left as it was. Needs root.`,
 	fl.IntVar(&f.connections, "connections", bench.DefaultConnections, "fortio connections (http, tcp)")
 	fl.BoolVar(&f.qperfLoopback, "qperf-loopback", false, "run qperf between two sockets of the server pod over 127.0.0.1 (same netns) instead of pod to pod")
 	fl.BoolVar(&f.bpfStats, "bpf-stats", true, "turn on the kernel's BPF run-time statistics to report the agent's BPF CPU per request; they add a clock read per program run (--bpf-stats=false to measure the agent's overhead without them)")
+	fl.BoolVar(&f.observeReads, "observe-reads", true, "observing agents also record the client application's reads (the breakdown's first segment; `meshwarp run` leaves this to `meshwarp trace`): --observe-reads=false measures the observation as run pays it")
 	fl.BoolVar(&f.qperfUnpaired, "qperf-unpaired", false, "run qperf against a server outside the lab cgroup: a connection meshwarp cannot pair "+
 		"(what the agent costs traffic it does not accelerate; compare direct with direct+meshwarp)")
 	fl.BoolVar(&f.quick, "quick", false, "short CI run: 1s runs, 1 repeat, sizes 64 and 16K, every mode and workload")
@@ -117,6 +119,7 @@ func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
 	opts.QperfLoopback = f.qperfLoopback
 	opts.QperfUnpaired = f.qperfUnpaired
 	opts.NoBPFStats = !f.bpfStats
+	opts.NoObserveReads = !f.observeReads
 
 	// The agent and lab log at info on every mode switch: keep the terminal
 	// to the progress bar and the table unless --debug.
