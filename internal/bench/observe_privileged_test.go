@@ -10,10 +10,12 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"testing"
 	"time"
 
+	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/bench"
 	"github.com/meshwarp/meshwarp/internal/cli"
 	"github.com/meshwarp/meshwarp/internal/observe"
@@ -144,8 +146,8 @@ type traceResult struct {
 	err       error
 }
 
-// traceWhileBenchRuns waits for the bench's observing agent and its first
-// requests, then runs `meshwarp trace --json` for 2 s.
+// traceWhileBenchRuns waits for the bench's observing agent and fortio's
+// first requests, then runs `meshwarp trace --json` for 2 s.
 func traceWhileBenchRuns(ctx context.Context) traceResult {
 	obs := filepath.Join(bench.DefaultPinDir, "mw_obs_egress_link")
 	for {
@@ -158,8 +160,20 @@ func traceWhileBenchRuns(ctx context.Context) traceResult {
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
-	// Past fortio's start (the sidecars restart first).
-	time.Sleep(2 * time.Second)
+	// Until fortio's requests show (the sidecars restart first).
+	for {
+		flows, err := accel.ReadPinnedFlows(bench.DefaultPinDir)
+		if err == nil && slices.ContainsFunc(flows, func(f accel.Flow) bool {
+			return f.Point == accel.PointClient && f.Proto == "http" && f.Count > 0
+		}) {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return traceResult{err: fmt.Errorf("no client request observed: %w", ctx.Err())}
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
 	root := cli.NewRootCommand()
 	var stdout, stderr bytes.Buffer
 	root.SetOut(&stdout)
