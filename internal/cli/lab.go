@@ -66,14 +66,24 @@ reaches the server pod's apps (through both sidecars when capture is on).
 
 up is idempotent: on a lab that is up it verifies and restarts what is missing;
 a lab left half-built by an interrupted up is removed and rebuilt. Progress goes
-to stderr, a summary to stdout.`,
+to stderr, a summary to stdout.
+
+--nodes 2 builds a second node namespace joined to the first by a veth wire,
+with routes between the nodes' pod prefixes (no overlay): pod i lives on node
+i%2, so the client (pod-0) and the server (pod-1) talk across nodes, routed by
+both nodes, with the same capture in every pod. Every pod also has an IPv6
+address (not captured: the sidecars serve IPv4).`,
 		Example: `  sudo meshwarp lab up
-  sudo meshwarp lab up --pods 3 --capture=false`,
+  sudo meshwarp lab up --pods 3 --capture=false
+  sudo meshwarp lab up --nodes 2          # client and server on different nodes`,
 		Args:         cobra.NoArgs,
 		SilenceUsage: true,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if opts.Pods < 2 || opts.Pods > lab.MaxPods {
 				return usageError("--pods %d: want 2..%d (pod-0 is the client, pod-1 the server)", opts.Pods, lab.MaxPods)
+			}
+			if opts.Nodes < 1 || opts.Nodes > lab.MaxNodes {
+				return usageError("--nodes %d: want 1..%d", opts.Nodes, lab.MaxNodes)
 			}
 			logger := g.logger(cmd.ErrOrStderr())
 			l, err := lab.Up(cmd.Context(), opts, logger)
@@ -89,6 +99,7 @@ to stderr, a summary to stdout.`,
 		},
 	}
 	cmd.Flags().IntVar(&opts.Pods, "pods", opts.Pods, "number of pods: pod-0 is the client, the others are servers")
+	cmd.Flags().IntVar(&opts.Nodes, "nodes", opts.Nodes, "number of node namespaces (1 or 2); pod i lives on node i%nodes")
 	cmd.Flags().BoolVar(&opts.Capture, "capture", opts.Capture, "install the sidecar capture rules (false: pods talk directly)")
 	cmd.Flags().Uint32Var(&opts.SidecarUID, "sidecar-uid", opts.SidecarUID, "uid the HAProxy sidecars run as; the capture rules exempt it")
 	return cmd
@@ -229,10 +240,17 @@ func writeLabStatus(w io.Writer, st lab.Status) error {
 	if st.Capture {
 		capture = "on (sidecars)"
 	}
-	fmt.Fprintf(w, "lab: up, %s\ncapture: %s\ncgroup: %s\nnode: netns %s, bridge %s %s\n\n",
-		health, capture, st.Cgroup, st.Node.Netns, st.Node.Bridge, st.Node.IP)
+	fmt.Fprintf(w, "lab: up, %s\ncapture: %s\ncgroup: %s\n", health, capture, st.Cgroup)
+	for _, n := range st.Nodes {
+		fmt.Fprintf(w, "node: netns %s, bridge %s %s %s", n.Netns, n.Bridge, n.IP, n.IP6)
+		if n.Wire != "" {
+			fmt.Fprintf(w, ", wire %s", n.Wire)
+		}
+		fmt.Fprintln(w)
+	}
+	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "POD\tROLE\tNETNS\tIP\tCAPTURE\tPROCESSES")
+	fmt.Fprintln(tw, "POD\tROLE\tNODE\tNETNS\tIP\tIPV6\tCAPTURE\tPROCESSES")
 	for _, p := range st.Pods {
 		var procs []string
 		for _, pr := range p.Processes {
@@ -246,7 +264,7 @@ func writeLabStatus(w io.Writer, st lab.Status) error {
 		if !p.Exists {
 			ns += " (MISSING)"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", p.Name, p.Role, ns, p.IP, labOnOff(p.Capture), strings.Join(procs, " "))
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", p.Name, p.Role, p.Node, ns, p.IP, p.IP6, labOnOff(p.Capture), strings.Join(procs, " "))
 	}
 	if err := tw.Flush(); err != nil {
 		return err

@@ -118,7 +118,7 @@ func downLocked(ctx context.Context, logger *slog.Logger) error {
 	// 2. iptables: deleting a namespace drops its rules, but remove them
 	// explicitly so nothing depends on that.
 	for _, ns := range nss {
-		if ns == NodeNetns || !netnsExists(ns) {
+		if _, isNode := nodeIndexFromNetns(ns); isNode || !netnsExists(ns) {
 			continue
 		}
 		if err := r.removeCapture(ctx, ns); err != nil {
@@ -126,18 +126,22 @@ func downLocked(ctx context.Context, logger *slog.Logger) error {
 		}
 	}
 
-	// 3. Links in the node namespace (veths first, then the bridge), then
-	// the namespaces. Links inside pods go with their namespace.
-	if netnsExists(NodeNetns) {
-		links, err := r.labLinks(ctx, NodeNetns)
+	// 3. Links in the node namespaces (veths and the wire first, then the
+	// bridge), then the namespaces. Links inside pods go with their namespace.
+	for _, ns := range nss {
+		if _, isNode := nodeIndexFromNetns(ns); !isNode || !netnsExists(ns) {
+			continue
+		}
+		links, err := r.labLinks(ctx, ns)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("list links in %s: %w", NodeNetns, err))
+			errs = append(errs, fmt.Errorf("list links in %s: %w", ns, err))
 		}
 		// veths before the bridge they are enslaved to
 		sort.SliceStable(links, func(i, j int) bool { return links[i] != BridgeName && links[j] == BridgeName })
 		for _, link := range links {
-			if _, err := r.ip(ctx, "-n", NodeNetns, "link", "del", link); err != nil && r.linkExists(ctx, NodeNetns, link) {
-				errs = append(errs, fmt.Errorf("delete link %s: %w", link, err))
+			// Deleting one end of the wire deletes the other end too.
+			if _, err := r.ip(ctx, "-n", ns, "link", "del", link); err != nil && r.linkExists(ctx, ns, link) {
+				errs = append(errs, fmt.Errorf("delete link %s in %s: %w", link, ns, err))
 			}
 		}
 	}

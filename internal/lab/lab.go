@@ -6,15 +6,19 @@
 //
 // Topology (nothing is created in the root network namespace):
 //
-//	netns meshwarp-node:   bridge mw-br0 10.211.0.1/24, veths mw-pN-br
-//	netns meshwarp-pod-N:  mw-pN-eth 10.211.0.(N+2)/24, lo
+//	netns meshwarp-node:   bridge mw-br0 10.211.0.1/24 fd00:211::1/64, veths mw-pN-br
+//	netns meshwarp-pod-N:  mw-pN-eth 10.211.0.(N+2)/24 fd00:211::(N+2)/64, lo
 //	                       nat chains MESHWARP_* (capture -> :15001 / :15006)
 //	                       haproxy (uid 1337) on :15001 and :15006
 //	                       pod-1..: fortio HTTP echo :8080, TCP echo :8078, qperf :19765
 //	cgroup v2 meshwarp-lab: every process the lab starts (and Lab.Command runs)
 //	/run/meshwarp-lab:      state.json, pids/, logs/, pods/<pod>/haproxy.cfg
 //
-// pod-0 is the client, pod-1 the server.
+// pod-0 is the client, pod-1 the server. With --nodes 2 a second node
+// namespace meshwarp-node-1 (10.211.1.0/24, fd00:211:0:1::/64) is joined to
+// the first by a veth wire mw-wire (10.211.254.0/24, fd00:211:0:fe::/64) with
+// routes to each other's pods; pod i lives on node i%2, so the client and
+// pod-1 talk across nodes, routed by the node namespaces.
 package lab
 
 import (
@@ -26,6 +30,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sync"
 	"syscall"
 	"time"
@@ -34,17 +39,18 @@ import (
 )
 
 // Options configure Up. Use DefaultOptions() for the CLI's defaults: the zero
-// value of Capture is false (capture off), Pods 0 means 2 and SidecarUID 0
-// means 1337.
+// value of Capture is false (capture off), Pods 0 means 2, Nodes 0 means 1
+// and SidecarUID 0 means 1337.
 type Options struct {
 	Pods       int    // number of pods, >= 2 (pod-0 client, the rest servers)
+	Nodes      int    // number of node namespaces, 1 or 2 (0 means 1); pod i lives on node i%Nodes
 	SidecarUID uint32 // uid HAProxy runs as and the capture rules exempt (1337)
 	Capture    bool   // install the capture jumps (sidecar mode); see Lab.SetCapture
 }
 
 // DefaultOptions returns the CLI defaults: 2 pods, uid 1337, capture on.
 func DefaultOptions() Options {
-	return Options{Pods: DefaultPods, SidecarUID: DefaultSidecarUID, Capture: true}
+	return Options{Pods: DefaultPods, Nodes: DefaultNodes, SidecarUID: DefaultSidecarUID, Capture: true}
 }
 
 // ErrNotUp is returned by Load when no lab is running.
@@ -54,6 +60,7 @@ var ErrNotUp = errors.New("no lab is running: run `meshwarp lab up`")
 type Lab struct {
 	logger *slog.Logger
 	r      *runner
+	nodes  []Node
 	pods   []podPlan
 	cgroup string
 	uid    uint32
@@ -68,6 +75,7 @@ type Lab struct {
 type state struct {
 	Phase      string    `json:"phase"` // phaseBuilding until Up finished, then phaseReady
 	Pods       int       `json:"pods"`
+	Nodes      int       `json:"nodes,omitempty"` // 0 (a lab from before nodes existed) means 1
 	SidecarUID uint32    `json:"sidecar_uid"`
 	SidecarGID uint32    `json:"sidecar_gid"`
 	Capture    bool      `json:"capture"`
@@ -121,16 +129,17 @@ func Load() (*Lab, error) {
 	}
 	l := &Lab{
 		logger:  slog.Default().With("subsys", "lab"),
-		pods:    planPods(st.Pods),
+		nodes:   planNodes(max(st.Nodes, 1)),
+		pods:    planPods(st.Pods, max(st.Nodes, 1)),
 		cgroup:  st.Cgroup,
 		uid:     st.SidecarUID,
 		capture: st.Capture,
 		cgFD:    -1,
 	}
 	l.r = &runner{logger: l.logger}
-	for _, p := range l.pods {
-		if !netnsExists(p.Netns) {
-			return nil, fmt.Errorf("lab state is stale (netns %s is gone): run `meshwarp lab down` and `meshwarp lab up`", p.Netns)
+	for _, ns := range l.netnsNames() {
+		if !netnsExists(ns) {
+			return nil, fmt.Errorf("lab state is stale (netns %s is gone): run `meshwarp lab down` and `meshwarp lab up`", ns)
 		}
 	}
 	return l, nil
@@ -154,6 +163,21 @@ func (l *Lab) Client() Pod { return l.pods[0].Pod }
 
 // Server returns pod-1, where the apps and qperf server run.
 func (l *Lab) Server() Pod { return l.pods[1].Pod }
+
+// Nodes returns the node namespaces, node 0 (the client's) first.
+func (l *Lab) Nodes() []Node { return slices.Clone(l.nodes) }
+
+// netnsNames lists every namespace of this lab: nodes, then pods.
+func (l *Lab) netnsNames() []string {
+	var out []string
+	for _, n := range l.nodes {
+		out = append(out, n.Netns)
+	}
+	for _, p := range l.pods {
+		out = append(out, p.Netns)
+	}
+	return out
+}
 
 // Pods returns every pod, client first.
 func (l *Lab) Pods() []Pod {

@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -15,6 +16,7 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -462,14 +464,15 @@ func TestPrivilegedCrashHelper(t *testing.T) {
 			syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		}
 	}
-	_, err := Up(context.Background(), Options{Pods: 2, Capture: true}, testLogger(t))
+	nodes, _ := strconv.Atoi(os.Getenv("MESHWARP_LAB_TEST_CRASH_NODES"))
+	_, err := Up(context.Background(), Options{Pods: 2, Nodes: nodes, Capture: true}, testLogger(t))
 	t.Fatalf("Up returned (%v) instead of being killed after %s", err, step)
 }
 
-func crashUp(t *testing.T, step string) {
+func crashUp(t *testing.T, step string, nodes int) {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestPrivilegedCrashHelper$", "-test.v")
-	cmd.Env = append(os.Environ(), "MESHWARP_LAB_TEST_CRASH_AFTER="+step)
+	cmd.Env = append(os.Environ(), "MESHWARP_LAB_TEST_CRASH_AFTER="+step, fmt.Sprintf("MESHWARP_LAB_TEST_CRASH_NODES=%d", nodes))
 	out, err := cmd.CombinedOutput()
 	var ee *exec.ExitError
 	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
@@ -484,10 +487,10 @@ func TestPrivilegedDownAfterCrash(t *testing.T) {
 	t.Cleanup(func() { Down(context.Background(), testLogger(t)) })
 	cg, _ := cgroupPath()
 
-	t.Run("after namespaces, before sidecars", func(t *testing.T) {
-		crashUp(t, "iptables")
-		if len(labNetnsOnDisk()) != 3 {
-			t.Fatalf("crash left %v, want 3 namespaces", labNetnsOnDisk())
+	t.Run("after namespaces, before sidecars, two nodes", func(t *testing.T) {
+		crashUp(t, "iptables", 2)
+		if len(labNetnsOnDisk()) != 4 {
+			t.Fatalf("crash left %v, want 4 namespaces (2 nodes, 2 pods)", labNetnsOnDisk())
 		}
 		if _, err := Load(); err == nil {
 			t.Error("Load accepted a half-built lab")
@@ -499,7 +502,7 @@ func TestPrivilegedDownAfterCrash(t *testing.T) {
 	})
 
 	t.Run("after sidecars started, before ready", func(t *testing.T) {
-		crashUp(t, "daemons")
+		crashUp(t, "daemons", 1)
 		pids := cgroupPids(cg)
 		if len(pids) < 4 { // 3 + haproxy in the client pod; a qperf server may have forked
 			t.Fatalf("crash left processes %v, want at least 4", pids)
@@ -511,7 +514,7 @@ func TestPrivilegedDownAfterCrash(t *testing.T) {
 	})
 
 	t.Run("up after a crash rebuilds", func(t *testing.T) {
-		crashUp(t, "daemons")
+		crashUp(t, "daemons", 1)
 		pids := cgroupPids(cg)
 		l, err := Up(ctx, Options{Pods: 2, Capture: true}, testLogger(t))
 		if err != nil {
@@ -535,3 +538,74 @@ func TestPrivilegedDownAfterCrash(t *testing.T) {
 }
 
 func netipAddrPort(p Pod, port int) netip.AddrPort { return netip.AddrPortFrom(p.IP, uint16(port)) }
+
+// TestPrivilegedTwoNodes: with --nodes 2 the client and the server live on
+// different nodes, and their traffic (captured IPv4 through both sidecars,
+// direct IPv6) is routed by both node namespaces across the wire.
+func TestPrivilegedTwoNodes(t *testing.T) {
+	ctx := context.Background()
+	l := upForTest(t, Options{Pods: 3, Nodes: 2, Capture: true})
+	client, server := l.Client(), l.Server()
+	if client.Node != 0 || server.Node != 1 || l.Pods()[2].Node != 0 {
+		t.Fatalf("pods on nodes %d, %d, %d: want 0, 1, 0", client.Node, server.Node, l.Pods()[2].Node)
+	}
+	st, err := l.Status()
+	if err != nil || !st.Healthy || len(st.Nodes) != 2 || st.Nodes[1].Netns != "meshwarp-node-1" || st.Pods[1].Node != "meshwarp-node-1" {
+		t.Fatalf("status: %+v, %v", st, err)
+	}
+	wireBytes := func(node Node) uint64 {
+		out, err := l.r.ip(ctx, "-n", node.Netns, "-j", "-s", "link", "show", "dev", WireName)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var links []struct {
+			Stats struct {
+				TX struct{ Bytes uint64 } `json:"tx"`
+			} `json:"stats64"`
+		}
+		if err := json.Unmarshal([]byte(out), &links); err != nil || len(links) != 1 {
+			t.Fatalf("ip -j -s link: %v: %s", err, out)
+		}
+		return links[0].Stats.TX.Bytes
+	}
+	payload := make([]byte, 1<<20)
+	rand.Read(payload)
+	for _, to := range []netip.AddrPort{netipAddrPort(server, TCPEchoPort), netip.AddrPortFrom(server.IP6, TCPEchoPort)} {
+		before := [2]uint64{wireBytes(l.Nodes()[0]), wireBytes(l.Nodes()[1])}
+		c, err := dialIn(ctx, client.Netns, "tcp", to.String())
+		if err != nil {
+			t.Fatalf("dial %s: %v", to, err)
+		}
+		_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+		go c.Write(payload)
+		got := make([]byte, len(payload))
+		if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, payload) {
+			t.Errorf("echo of 1 MiB to %s across nodes: %v, intact %v", to, err, bytes.Equal(got, payload))
+		}
+		c.Close()
+		after := [2]uint64{wireBytes(l.Nodes()[0]), wireBytes(l.Nodes()[1])}
+		if after[0]-before[0] < uint64(len(payload)) || after[1]-before[1] < uint64(len(payload)) {
+			t.Errorf("echo to %s: wire sent %d and %d bytes each way, want >= %d: not routed across the wire",
+				to, after[0]-before[0], after[1]-before[1], len(payload))
+		}
+	}
+	// Captured IPv4 went through both sidecars; the app saw the inbound one.
+	hc, tr := podHTTPClient(client)
+	resp, err := hc.Get(fmt.Sprintf("http://%s/debug", netipAddrPort(server, HTTPPort)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	tr.CloseIdleConnections()
+	if !strings.Contains(string(b), "request from "+InboundSource+":") {
+		t.Errorf("across nodes the app did not see the inbound sidecar's source:\n%.300s", b)
+	}
+	// A pod on the client's node is reached over its bridge, not the wire.
+	if err := l.echo(ctx, client, netipAddrPort(l.Pods()[2], TCPEchoPort), []byte("same node\n")); err != nil {
+		t.Errorf("echo to pod-2 on the same node: %v", err)
+	}
+	if _, err := Up(ctx, Options{Pods: 3, Nodes: 1}, testLogger(t)); err == nil || !strings.Contains(err.Error(), "lab down") {
+		t.Errorf("up with another node count: %v, want an error naming `meshwarp lab down`", err)
+	}
+}

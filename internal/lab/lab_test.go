@@ -12,16 +12,17 @@ import (
 )
 
 func TestPlanPods(t *testing.T) {
-	pods := planPods(3)
-	want := []struct{ name, netns, ip, host, pod string }{
-		{"pod-0", "meshwarp-pod-0", "10.211.0.2", "mw-p0-br", "mw-p0-eth"},
-		{"pod-1", "meshwarp-pod-1", "10.211.0.3", "mw-p1-br", "mw-p1-eth"},
-		{"pod-2", "meshwarp-pod-2", "10.211.0.4", "mw-p2-br", "mw-p2-eth"},
+	pods := planPods(3, 1)
+	want := []struct{ name, netns, ip, ip6, host, pod string }{
+		{"pod-0", "meshwarp-pod-0", "10.211.0.2", "fd00:211::2", "mw-p0-br", "mw-p0-eth"},
+		{"pod-1", "meshwarp-pod-1", "10.211.0.3", "fd00:211::3", "mw-p1-br", "mw-p1-eth"},
+		{"pod-2", "meshwarp-pod-2", "10.211.0.4", "fd00:211::4", "mw-p2-br", "mw-p2-eth"},
 	}
 	for i, w := range want {
 		p := pods[i]
-		if p.Name != w.name || p.Netns != w.netns || p.IP.String() != w.ip || p.HostVeth != w.host || p.PodVeth != w.pod {
-			t.Errorf("pod %d = %+v, want %+v", i, p, w)
+		if p.Name != w.name || p.Netns != w.netns || p.IP.String() != w.ip || p.IP6.String() != w.ip6 ||
+			p.HostVeth != w.host || p.PodVeth != w.pod || p.Node != 0 {
+			t.Errorf("pod %d = %+v, want %+v on node 0", i, p, w)
 		}
 	}
 	if pods[0].role() != "client" || pods[1].role() != "server" || pods[0].runsApps() || !pods[2].runsApps() {
@@ -29,29 +30,62 @@ func TestPlanPods(t *testing.T) {
 	}
 }
 
+func TestPlanTwoNodes(t *testing.T) {
+	nodes := planNodes(2)
+	if nodes[0].Netns != "meshwarp-node" || nodes[1].Netns != "meshwarp-node-1" {
+		t.Errorf("node namespaces %s, %s", nodes[0].Netns, nodes[1].Netns)
+	}
+	if nodes[1].Prefix.String() != "10.211.1.0/24" || nodes[1].Bridge.String() != "10.211.1.1" ||
+		nodes[1].Prefix6.String() != "fd00:211:0:1::/64" || nodes[1].Wire.String() != "10.211.254.2" || nodes[0].Wire6.String() != "fd00:211:0:fe::1" {
+		t.Errorf("node 1 plan %+v, node 0 wire %s", nodes[1], nodes[0].Wire6)
+	}
+	pods := planPods(4, 2)
+	for i, w := range []struct {
+		node    int
+		ip, ip6 string
+	}{{0, "10.211.0.2", "fd00:211::2"}, {1, "10.211.1.2", "fd00:211:0:1::2"}, {0, "10.211.0.3", "fd00:211::3"}, {1, "10.211.1.3", "fd00:211:0:1::3"}} {
+		p := pods[i]
+		if p.Node != w.node || p.IP.String() != w.ip || p.IP6.String() != w.ip6 {
+			t.Errorf("pod %d on node %d %s %s, want node %d %s %s", i, p.Node, p.IP, p.IP6, w.node, w.ip, w.ip6)
+		}
+		if !nodes[p.Node].Prefix.Contains(p.IP) || !nodes[p.Node].Prefix6.Contains(p.IP6) {
+			t.Errorf("pod %d outside its node's prefixes", i)
+		}
+	}
+}
+
 func TestPlanLimits(t *testing.T) {
-	last := planPod(MaxPods - 1)
-	for _, name := range []string{last.HostVeth, last.PodVeth, BridgeName} {
-		if len(name) > 15 || !strings.HasPrefix(name, "mw-") {
-			t.Errorf("link name %q: want mw- prefix and at most 15 characters (IFNAMSIZ-1)", name)
+	for nodes := 1; nodes <= MaxNodes; nodes++ {
+		last := planPod(MaxPods-1, nodes)
+		for _, name := range []string{last.HostVeth, last.PodVeth, BridgeName, WireName} {
+			if len(name) > 15 || !strings.HasPrefix(name, "mw-") {
+				t.Errorf("link name %q: want mw- prefix and at most 15 characters (IFNAMSIZ-1)", name)
+			}
 		}
-	}
-	if !labPrefix.Contains(last.IP) || last.IP == labPrefix.Addr() {
-		t.Errorf("pod %d address %s outside %s", MaxPods-1, last.IP, labPrefix)
-	}
-	seen := map[string]bool{bridgeIP.String(): true}
-	for _, p := range planPods(MaxPods) {
-		if seen[p.IP.String()] {
-			t.Fatalf("address %s used twice", p.IP)
+		seen := map[string]bool{}
+		for _, n := range planNodes(nodes) {
+			seen[n.Bridge.String()], seen[n.Bridge6.String()] = true, true
+			seen[n.Wire.String()], seen[n.Wire6.String()] = true, true
 		}
-		seen[p.IP.String()] = true
+		for _, p := range planPods(MaxPods, nodes) {
+			n := planNode(p.Node)
+			if !n.Prefix.Contains(p.IP) || p.IP == n.Prefix.Addr() || !n.Prefix6.Contains(p.IP6) {
+				t.Errorf("pod %d address %s %s outside %s %s", p.Index, p.IP, p.IP6, n.Prefix, n.Prefix6)
+			}
+			for _, a := range []string{p.IP.String(), p.IP6.String()} {
+				if seen[a] {
+					t.Fatalf("address %s used twice", a)
+				}
+				seen[a] = true
+			}
+		}
 	}
 }
 
 func TestOptionsDefaults(t *testing.T) {
 	o, err := Options{}.withDefaults()
-	if err != nil || o.Pods != 2 || o.SidecarUID != 1337 || o.Capture {
-		t.Errorf("zero Options -> %+v, %v; want 2 pods, uid 1337, capture as given (false)", o, err)
+	if err != nil || o.Pods != 2 || o.Nodes != 1 || o.SidecarUID != 1337 || o.Capture {
+		t.Errorf("zero Options -> %+v, %v; want 2 pods, 1 node, uid 1337, capture as given (false)", o, err)
 	}
 	if d := DefaultOptions(); !d.Capture || d.Pods != 2 || d.SidecarUID != 1337 {
 		t.Errorf("DefaultOptions() = %+v", d)
@@ -59,6 +93,11 @@ func TestOptionsDefaults(t *testing.T) {
 	for _, n := range []int{1, -1, MaxPods + 1} {
 		if _, err := (Options{Pods: n}).withDefaults(); err == nil {
 			t.Errorf("Pods %d accepted", n)
+		}
+	}
+	for _, n := range []int{-1, MaxNodes + 1} {
+		if _, err := (Options{Nodes: n}).withDefaults(); err == nil {
+			t.Errorf("Nodes %d accepted", n)
 		}
 	}
 }
@@ -73,6 +112,9 @@ func TestNetnsNames(t *testing.T) {
 		"meshwarp-pod-x":      false,
 		"meshwarp-t-foo":      false, // testutil's throwaway namespaces
 		"meshwarp-node2":      false,
+		"meshwarp-node-1":     true,
+		"meshwarp-node-2":     false, // beyond MaxNodes
+		"meshwarp-node-0":     false, // node 0 is meshwarp-node
 		"other":               false,
 		"meshwarp-pod-1-kept": false,
 	} {

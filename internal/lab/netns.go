@@ -93,31 +93,30 @@ func netnsExists(name string) bool {
 }
 
 // labNetnsOnDisk lists the lab's namespaces that exist, found by name (not
-// from the state file), pods in index order, the node namespace last.
+// from the state file): pods in index order, then the nodes in index order.
 func labNetnsOnDisk() []string {
 	entries, err := os.ReadDir(netnsDir)
 	if err != nil {
 		return nil
 	}
-	var pods []string
-	node := false
+	var pods, nodes []string
 	for _, e := range entries {
-		switch {
-		case e.Name() == NodeNetns:
-			node = true
-		case isLabNetns(e.Name()):
+		if _, ok := nodeIndexFromNetns(e.Name()); ok {
+			nodes = append(nodes, e.Name())
+		} else if isLabNetns(e.Name()) {
 			pods = append(pods, e.Name())
 		}
 	}
-	sort.Slice(pods, func(i, j int) bool {
-		a, _ := podIndexFromNetns(pods[i])
-		b, _ := podIndexFromNetns(pods[j])
-		return a < b
-	})
-	if node {
-		pods = append(pods, NodeNetns)
+	sortByIndex := func(names []string, index func(string) (int, bool)) {
+		sort.Slice(names, func(i, j int) bool {
+			a, _ := index(names[i])
+			b, _ := index(names[j])
+			return a < b
+		})
 	}
-	return pods
+	sortByIndex(pods, podIndexFromNetns)
+	sortByIndex(nodes, nodeIndexFromNetns)
+	return append(pods, nodes...)
 }
 
 func (r *runner) ensureNetns(ctx context.Context, name string) error {
@@ -211,4 +210,33 @@ func dialIn(ctx context.Context, netns, network, address string) (net.Conn, erro
 	}()
 	r := <-ch
 	return r.c, r.err
+}
+
+// writeSysctlIn sets a sysctl (key as a path under /proc/sys, e.g.
+// "net/ipv4/ip_forward") inside a named network namespace, from a
+// dedicated OS thread that joined it (net sysctls are per namespace, read
+// through the opening thread's namespace); the thread dies with it.
+func writeSysctlIn(netns, key, value string) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		// No UnlockOSThread: the thread dies with this goroutine.
+		fd, err := unix.Open(netnsPath(netns), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			errc <- fmt.Errorf("open netns %s: %w", netns, err)
+			return
+		}
+		err = unix.Setns(fd, unix.CLONE_NEWNET)
+		unix.Close(fd)
+		if err != nil {
+			errc <- fmt.Errorf("enter netns %s: %w", netns, err)
+			return
+		}
+		if err := os.WriteFile(filepath.Join("/proc/sys", key), []byte(value), 0); err != nil {
+			errc <- fmt.Errorf("set %s=%s in %s: %w", strings.ReplaceAll(key, "/", "."), value, netns, err)
+			return
+		}
+		errc <- nil
+	}()
+	return <-errc
 }

@@ -15,17 +15,19 @@ type Status struct {
 	Capture  bool        `json:"capture"` // as recorded by Up/SetCapture
 	Cgroup   string      `json:"cgroup"`
 	RunDir   string      `json:"run_dir"`
-	Node     NodeStatus  `json:"node"`
+	Nodes    []NodeStatus `json:"nodes"`
 	Pods     []PodStatus `json:"pods"`
 	Problems []string    `json:"problems,omitempty"` // what is wrong, one line each
 }
 
-// NodeStatus describes the node namespace.
+// NodeStatus describes a node namespace.
 type NodeStatus struct {
 	Netns  string `json:"netns"`
 	Exists bool   `json:"exists"`
 	Bridge string `json:"bridge"`
-	IP     string `json:"ip"`
+	IP     string `json:"ip"`             // the bridge's (the pods' gateway)
+	IP6    string `json:"ip6"`            // the bridge's IPv6 address
+	Wire   string `json:"wire,omitempty"` // the wire's address on this node (two nodes)
 }
 
 // PodStatus describes one pod.
@@ -33,7 +35,9 @@ type PodStatus struct {
 	Name      string          `json:"name"`
 	Role      string          `json:"role"` // "client" or "server"
 	Netns     string          `json:"netns"`
+	Node      string          `json:"node"` // the node namespace it hangs off
 	IP        string          `json:"ip"`
+	IP6       string          `json:"ip6"`
 	Exists    bool            `json:"exists"`  // the namespace exists
 	Capture   bool            `json:"capture"` // capture jumps present (read from iptables)
 	Processes []ProcessStatus `json:"processes"`
@@ -58,21 +62,23 @@ func (l *Lab) Status() (Status, error) {
 		Capture: capture,
 		Cgroup:  l.cgroup,
 		RunDir:  RunDir,
-		Node: NodeStatus{
-			Netns:  NodeNetns,
-			Exists: netnsExists(NodeNetns),
-			Bridge: BridgeName,
-			IP:     bridgeIP.String(),
-		},
 	}
-	if !s.Node.Exists {
-		s.Problems = append(s.Problems, "netns "+NodeNetns+" is missing")
+	for _, n := range l.nodes {
+		ns := NodeStatus{Netns: n.Netns, Exists: netnsExists(n.Netns), Bridge: BridgeName, IP: n.Bridge.String(), IP6: n.Bridge6.String()}
+		if len(l.nodes) > 1 {
+			ns.Wire = n.Wire.String()
+		}
+		if !ns.Exists {
+			s.Problems = append(s.Problems, "netns "+n.Netns+" is missing")
+		}
+		s.Nodes = append(s.Nodes, ns)
 	}
 	if !exists(l.cgroup) {
 		s.Problems = append(s.Problems, "cgroup "+l.cgroup+" is missing")
 	}
 	for _, p := range l.pods {
-		ps := PodStatus{Name: p.Name, Role: p.role(), Netns: p.Netns, IP: p.IP.String(), Exists: netnsExists(p.Netns)}
+		ps := PodStatus{Name: p.Name, Role: p.role(), Netns: p.Netns, Node: l.nodes[p.Node].Netns,
+			IP: p.IP.String(), IP6: p.IP6.String(), Exists: netnsExists(p.Netns)}
 		if !ps.Exists {
 			s.Problems = append(s.Problems, "netns "+p.Netns+" is missing")
 		} else {

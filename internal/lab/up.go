@@ -101,7 +101,7 @@ func upLocked(ctx context.Context, opts Options, logger *slog.Logger) (*Lab, err
 		return nil, err
 	}
 
-	l := &Lab{logger: logger, r: r, pods: planPods(opts.Pods), cgroup: cg, uid: opts.SidecarUID, capture: st.Capture, cgFD: -1}
+	l := &Lab{logger: logger, r: r, nodes: planNodes(opts.Nodes), pods: planPods(opts.Pods, opts.Nodes), cgroup: cg, uid: opts.SidecarUID, capture: st.Capture, cgFD: -1}
 
 	gid, created, err := ensureSidecarUser(ctx, r, opts.SidecarUID, logger)
 	if err != nil {
@@ -114,7 +114,7 @@ func upLocked(ctx context.Context, opts Options, logger *slog.Logger) (*Lab, err
 		return nil, fmt.Errorf("create lab cgroup %s: %w", cg, err)
 	}
 
-	logger.Info("creating namespaces, bridge and veths", "pods", opts.Pods, "subnet", labPrefix.String())
+	logger.Info("creating namespaces, bridges and veths", "nodes", opts.Nodes, "pods", opts.Pods)
 	if err := l.ensureNetwork(ctx); err != nil {
 		return nil, err
 	}
@@ -159,9 +159,9 @@ func prepareState(ctx context.Context, opts Options, cg string, logger *slog.Log
 	st, err := readState()
 	switch {
 	case err == nil && st.Phase == phaseReady:
-		if st.Pods != opts.Pods || st.SidecarUID != opts.SidecarUID {
-			return nil, fmt.Errorf("a lab with %d pods (sidecar uid %d) is already up: run `meshwarp lab down` first to change it",
-				st.Pods, st.SidecarUID)
+		if st.Pods != opts.Pods || max(st.Nodes, 1) != opts.Nodes || st.SidecarUID != opts.SidecarUID {
+			return nil, fmt.Errorf("a lab with %d pods on %d node(s) (sidecar uid %d) is already up: run `meshwarp lab down` first to change it",
+				st.Pods, max(st.Nodes, 1), st.SidecarUID)
 		}
 		logger.Info("lab already up: verifying and repairing", "pods", st.Pods)
 	case err == nil || len(leftovers(cg)) > 0:
@@ -186,6 +186,7 @@ func prepareState(ctx context.Context, opts Options, cg string, logger *slog.Log
 		st = &state{
 			Phase:           phaseBuilding,
 			Pods:            opts.Pods,
+			Nodes:           opts.Nodes,
 			SidecarUID:      opts.SidecarUID,
 			Cgroup:          cg,
 			CreatedAt:       time.Now().UTC(),
@@ -199,54 +200,37 @@ func prepareState(ctx context.Context, opts Options, cg string, logger *slog.Log
 	return st, nil
 }
 
-// ensureNetwork creates what is missing of namespaces, bridge, veths,
-// addresses and routes, and leaves what is there.
+// ensureNetwork creates what is missing of namespaces, bridges, veths, the
+// wire, addresses and routes, and leaves what is there.
 func (l *Lab) ensureNetwork(ctx context.Context) error {
 	r := l.r
-	if err := r.ensureNetns(ctx, NodeNetns); err != nil {
-		return err
-	}
-	if !r.linkExists(ctx, NodeNetns, BridgeName) {
-		if _, err := r.ip(ctx, "-n", NodeNetns, "link", "add", BridgeName, "type", "bridge"); err != nil {
-			return fmt.Errorf("create bridge: %w", err)
+	for _, n := range l.nodes {
+		if err := l.ensureNode(ctx, n); err != nil {
+			return err
 		}
 	}
-	bits := strconv.Itoa(labPrefix.Bits())
-	steps := [][]string{
-		{"-n", NodeNetns, "addr", "replace", bridgeIP.String() + "/" + bits, "dev", BridgeName},
-		{"-n", NodeNetns, "link", "set", BridgeName, "up"},
-	}
-	for _, s := range steps {
-		if _, err := r.ip(ctx, s...); err != nil {
-			return fmt.Errorf("configure bridge: %w", err)
+	if len(l.nodes) == 2 {
+		if err := l.ensureWire(ctx, l.nodes[0], l.nodes[1]); err != nil {
+			return err
 		}
 	}
 	for _, p := range l.pods {
+		node := l.nodes[p.Node]
 		if err := r.ensureNetns(ctx, p.Netns); err != nil {
 			return err
 		}
-		hostOK, podOK := r.linkExists(ctx, NodeNetns, p.HostVeth), r.linkExists(ctx, p.Netns, p.PodVeth)
-		if !hostOK || !podOK {
-			if hostOK {
-				_, _ = r.ip(ctx, "-n", NodeNetns, "link", "del", p.HostVeth)
-			}
-			if podOK {
-				_, _ = r.ip(ctx, "-n", p.Netns, "link", "del", p.PodVeth)
-			}
-			// Created inside the node namespace with the peer placed straight
-			// into the pod: neither end ever exists in the root namespace.
-			if _, err := r.ip(ctx, "-n", NodeNetns, "link", "add", p.HostVeth, "type", "veth",
-				"peer", "name", p.PodVeth, "netns", p.Netns); err != nil {
-				return fmt.Errorf("create veth for %s: %w", p.Name, err)
-			}
+		if err := r.ensureVeth(ctx, node.Netns, p.HostVeth, p.Netns, p.PodVeth); err != nil {
+			return fmt.Errorf("create veth for %s: %w", p.Name, err)
 		}
 		steps := [][]string{
-			{"-n", NodeNetns, "link", "set", p.HostVeth, "master", BridgeName},
-			{"-n", NodeNetns, "link", "set", p.HostVeth, "up"},
-			{"-n", p.Netns, "addr", "replace", p.IP.String() + "/" + bits, "dev", p.PodVeth},
+			{"-n", node.Netns, "link", "set", p.HostVeth, "master", BridgeName},
+			{"-n", node.Netns, "link", "set", p.HostVeth, "up"},
+			{"-n", p.Netns, "addr", "replace", cidr(p.IP, node.Prefix), "dev", p.PodVeth},
+			{"-n", p.Netns, "addr", "replace", cidr(p.IP6, node.Prefix6), "dev", p.PodVeth, "nodad"},
 			{"-n", p.Netns, "link", "set", p.PodVeth, "up"},
 			{"-n", p.Netns, "link", "set", "lo", "up"},
-			{"-n", p.Netns, "route", "replace", "default", "via", bridgeIP.String(), "dev", p.PodVeth},
+			{"-n", p.Netns, "route", "replace", "default", "via", node.Bridge.String(), "dev", p.PodVeth},
+			{"-n", p.Netns, "-6", "route", "replace", "default", "via", node.Bridge6.String(), "dev", p.PodVeth},
 		}
 		for _, s := range steps {
 			if _, err := r.ip(ctx, s...); err != nil {
@@ -255,6 +239,86 @@ func (l *Lab) ensureNetwork(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// ensureNode builds a node namespace with its bridge, and turns on
+// forwarding (a node routes between its pods and the wire, as a Kubernetes
+// node does).
+func (l *Lab) ensureNode(ctx context.Context, n Node) error {
+	r := l.r
+	if err := r.ensureNetns(ctx, n.Netns); err != nil {
+		return err
+	}
+	if !r.linkExists(ctx, n.Netns, BridgeName) {
+		if _, err := r.ip(ctx, "-n", n.Netns, "link", "add", BridgeName, "type", "bridge"); err != nil {
+			return fmt.Errorf("create bridge in %s: %w", n.Netns, err)
+		}
+	}
+	steps := [][]string{
+		{"-n", n.Netns, "addr", "replace", cidr(n.Bridge, n.Prefix), "dev", BridgeName},
+		{"-n", n.Netns, "addr", "replace", cidr(n.Bridge6, n.Prefix6), "dev", BridgeName, "nodad"},
+		{"-n", n.Netns, "link", "set", BridgeName, "up"},
+	}
+	for _, s := range steps {
+		if _, err := r.ip(ctx, s...); err != nil {
+			return fmt.Errorf("configure bridge in %s: %w", n.Netns, err)
+		}
+	}
+	for _, key := range []string{"net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"} {
+		if err := writeSysctlIn(n.Netns, key, "1"); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ensureWire joins two nodes with a veth and routes each node's pod prefixes
+// to the other across it.
+func (l *Lab) ensureWire(ctx context.Context, a, b Node) error {
+	r := l.r
+	if err := r.ensureVeth(ctx, a.Netns, WireName, b.Netns, WireName); err != nil {
+		return fmt.Errorf("create the wire between %s and %s: %w", a.Netns, b.Netns, err)
+	}
+	for _, pair := range [][2]Node{{a, b}, {b, a}} {
+		n, peer := pair[0], pair[1]
+		steps := [][]string{
+			{"-n", n.Netns, "addr", "replace", cidr(n.Wire, wirePrefix), "dev", WireName},
+			{"-n", n.Netns, "addr", "replace", cidr(n.Wire6, wire6), "dev", WireName, "nodad"},
+			{"-n", n.Netns, "link", "set", WireName, "up"},
+			{"-n", n.Netns, "route", "replace", peer.Prefix.String(), "via", peer.Wire.String(), "dev", WireName},
+			{"-n", n.Netns, "-6", "route", "replace", peer.Prefix6.String(), "via", peer.Wire6.String(), "dev", WireName},
+		}
+		for _, s := range steps {
+			if _, err := r.ip(ctx, s...); err != nil {
+				return fmt.Errorf("configure the wire in %s: %w", n.Netns, err)
+			}
+		}
+	}
+	return nil
+}
+
+// ensureVeth creates a veth pair between two namespaces unless both ends
+// exist; a lone end (an interrupted up) is deleted first. The pair is
+// created in the first namespace with its peer placed straight into the
+// second: neither end ever exists in the root namespace.
+func (r *runner) ensureVeth(ctx context.Context, ns, name, peerNs, peerName string) error {
+	ok, peerOK := r.linkExists(ctx, ns, name), r.linkExists(ctx, peerNs, peerName)
+	if ok && peerOK {
+		return nil
+	}
+	if ok {
+		_, _ = r.ip(ctx, "-n", ns, "link", "del", name)
+	}
+	if peerOK {
+		_, _ = r.ip(ctx, "-n", peerNs, "link", "del", peerName)
+	}
+	_, err := r.ip(ctx, "-n", ns, "link", "add", name, "type", "veth", "peer", "name", peerName, "netns", peerNs)
+	return err
+}
+
+// cidr writes an address with its prefix's length: 10.211.0.2/24.
+func cidr(a netip.Addr, p netip.Prefix) string {
+	return netip.PrefixFrom(a, p.Bits()).String()
 }
 
 // daemons returns every long-running process of one pod.
@@ -428,8 +492,11 @@ func (l *Lab) checkEndToEnd(ctx context.Context) error {
 			return fmt.Errorf("request from %s to %s:%d: app did not see source %s (capture %v); reply: %.200q",
 				client.Name, p.Name, HTTPPort, strings.TrimSuffix(want, ":"), capture, body)
 		}
-		if err := l.echo(ctx, client, netip.AddrPortFrom(p.IP, TCPEchoPort), []byte("meshwarp lab check\n")); err != nil {
-			return fmt.Errorf("tcp echo from %s to %s:%d: %w", client.Name, p.Name, TCPEchoPort, err)
+		for _, ip := range []netip.Addr{p.IP, p.IP6} {
+			to := netip.AddrPortFrom(ip, TCPEchoPort)
+			if err := l.echo(ctx, client, to, []byte("meshwarp lab check\n")); err != nil {
+				return fmt.Errorf("tcp echo from %s to %s %s: %w", client.Name, p.Name, to, err)
+			}
 		}
 	}
 	return nil
