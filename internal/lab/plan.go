@@ -32,7 +32,7 @@ const (
 const (
 	NodeNetns      = "meshwarp-node" // node 0; node N > 0 is NodeNetns-N
 	PodNetnsPrefix = "meshwarp-pod-"
-	BridgeName     = "mw-br0" // in every node namespace
+	BridgeName     = "mw-br0"  // in every node namespace
 	WireName       = "mw-wire" // both ends of the veth between two nodes
 	CgroupName     = "meshwarp-lab"
 	RunDir         = "/run/meshwarp-lab"

@@ -10,14 +10,14 @@ import (
 
 // Status is what `meshwarp lab status` shows.
 type Status struct {
-	Up       bool        `json:"up"`      // a lab is up (state ready)
-	Healthy  bool        `json:"healthy"` // up, every namespace there, every process alive, capture as recorded
-	Capture  bool        `json:"capture"` // as recorded by Up/SetCapture
-	Cgroup   string      `json:"cgroup"`
-	RunDir   string      `json:"run_dir"`
+	Up       bool         `json:"up"`      // a lab is up (state ready)
+	Healthy  bool         `json:"healthy"` // up, every namespace there, every process alive, capture as recorded
+	Capture  bool         `json:"capture"` // as recorded by Up/SetCapture
+	Cgroup   string       `json:"cgroup"`
+	RunDir   string       `json:"run_dir"`
 	Nodes    []NodeStatus `json:"nodes"`
-	Pods     []PodStatus `json:"pods"`
-	Problems []string    `json:"problems,omitempty"` // what is wrong, one line each
+	Pods     []PodStatus  `json:"pods"`
+	Problems []string     `json:"problems,omitempty"` // what is wrong, one line each
 }
 
 // NodeStatus describes a node namespace.
