@@ -28,6 +28,7 @@ import (
 	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
 
+	"github.com/meshwarp/meshwarp/internal/crossnode"
 	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
@@ -117,6 +118,11 @@ type Config struct {
 	// ObserveOnly accelerates nothing: no socket joins the SOCKHASH (an
 	// observe-only node, or the baseline of the observation's own cost).
 	ObserveOnly bool
+	// CrossNode forwards pod packets between nodes past the node's bridge,
+	// netfilter and routing (internal/crossnode) in CrossNodes (empty: the
+	// agent's own network namespace).
+	CrossNode  bool
+	CrossNodes []crossnode.Node
 	// ObserveReads also records client applications' reads of their
 	// responses (the breakdown's outermost point). It runs a program on every
 	// socket read of the node, so the agent leaves it to `meshwarp trace`,
@@ -178,7 +184,9 @@ type Agent struct {
 	// pinned, so between agents nothing is learned, while the data path
 	// keeps running.
 	watches []link.Link
-	closed  bool
+	// xn is cross-node forwarding (Config.CrossNode).
+	xn     *crossnode.Agent
+	closed bool
 	// Adopted is true when Start found pinned state from an earlier agent and took it over.
 	Adopted bool
 }
@@ -307,6 +315,22 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 		logger.Warn("syscall watches off: splice(2), MSG_WAITALL, MSG_OOB, SO_RCVLOWAT and close with unread bytes "+
 			"on accelerated sockets are not learned (exclude such ports with --exclude-ports)", "err", err)
 		err = nil
+	}
+
+	// Last: nothing after it can fail, so a failed start never undoes an
+	// earlier agent's cross-node links.
+	if cfg.CrossNode {
+		a.xn, err = crossnode.Start(crossnode.Config{PinDir: cfg.PinDir, Nodes: cfg.CrossNodes}, logger)
+		if errors.Is(err, crossnode.ErrBadConfig) {
+			return nil, fmt.Errorf("%w: %w", ErrBadConfig, err)
+		}
+		if err != nil {
+			return nil, err
+		}
+	} else if removed, cerr := crossnode.Cleanup(cfg.PinDir); cerr != nil {
+		logger.Warn("cannot detach an earlier agent's cross-node forwarding", "err", cerr)
+	} else if len(removed) > 0 {
+		logger.Info("cross-node forwarding of an earlier agent detached (run without --cross-node)", "pins", len(removed))
 	}
 
 	logger.Info("acceleration attached", "cgroup", cfg.CgroupPath, "pin_dir", cfg.PinDir,
@@ -479,6 +503,11 @@ func (a *Agent) Stats() (Stats, error) {
 			s.BPFRuns += ps.RunCount
 		}
 	}
+	if a.xn != nil {
+		xs, xerr := a.xn.Stats()
+		s.CrossNode = &xs
+		err = errors.Join(err, xerr)
+	}
 	return s, err
 }
 
@@ -505,6 +534,7 @@ func (a *Agent) Close() error {
 	for _, l := range a.watches {
 		errs = append(errs, l.Close())
 	}
+	errs = append(errs, a.xn.Close())
 	errs = append(errs, a.closeObservation())
 	if a.sockops != nil {
 		errs = append(errs, a.sockops.Close())
@@ -528,6 +558,12 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 		openSockets = st.AcceleratedSockets
 	}
 	var errs []error
+	if a.xn != nil {
+		errs = append(errs, a.xn.Uninstall())
+	}
+	if _, err := crossnode.Cleanup(a.cfg.PinDir); err != nil {
+		errs = append(errs, err)
+	}
 	// New sockets first: no socket joins the hash after this.
 	if a.sockops != nil {
 		errs = append(errs, a.sockops.Unpin(), a.sockops.Close())
@@ -595,6 +631,9 @@ func Cleanup(pinDir string) (CleanupResult, error) {
 		res.OpenAcceleratedSockets = st.AcceleratedSockets
 	}
 	var errs []error
+	removed, err := crossnode.Cleanup(pinDir)
+	res.Removed = append(res.Removed, removed...)
+	errs = append(errs, err)
 	// Links first (they detach when their last reference goes), then maps.
 	names := append(append([]string(nil), linkPins...), mapNames()...)
 	for _, name := range names {

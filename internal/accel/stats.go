@@ -3,12 +3,15 @@
 package accel
 
 import (
+	"errors"
 	"fmt"
 	"path/filepath"
 	"strings"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/btf"
+
+	"github.com/meshwarp/meshwarp/internal/crossnode"
 )
 
 // Stats are cumulative counters read from the pinned maps (they survive
@@ -60,6 +63,8 @@ type Stats struct {
 	// OtherSockmapPrograms lists sock_ops and sk_msg programs on this node
 	// that are not meshwarp's (filled by ReadPinnedStats).
 	OtherSockmapPrograms []ProgramRef `json:"other_sockmap_programs,omitempty"`
+	// CrossNode counts cross-node forwarding, when it is installed.
+	CrossNode *crossnode.Stats `json:"cross_node,omitempty"`
 }
 
 // ProgramRef names a loaded BPF program.
@@ -171,6 +176,11 @@ func ReadPinnedStats(pinDir string) (Stats, error) {
 	s.UnfitProcesses, err = pinnedUnfitProcesses(pinDir)
 	if err != nil {
 		return s, err
+	}
+	if xs, xerr := crossnode.ReadPinnedStats(pinDir); xerr == nil {
+		s.CrossNode = &xs
+	} else if !errors.Is(xerr, crossnode.ErrNotInstalled) {
+		return s, xerr
 	}
 	s.OtherSockmapPrograms, err = OtherSockmapPrograms()
 	return s, err

@@ -8,6 +8,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/crossnode"
 	"github.com/meshwarp/meshwarp/internal/probe"
 	"github.com/meshwarp/meshwarp/internal/tap"
 )
@@ -15,7 +16,7 @@ import (
 // A "ready" probe must mean `meshwarp run` can load its programs: every
 // program type, map type and helper the BPF object uses has a probe check.
 func TestProbeCoversAccelObject(t *testing.T) {
-	for name, load := range map[string]func() (*ebpf.CollectionSpec, error){"accel": accel.Spec, "tap": tap.Spec} {
+	for name, load := range map[string]func() (*ebpf.CollectionSpec, error){"accel": accel.Spec, "tap": tap.Spec, "crossnode": crossnode.Spec} {
 		spec, err := load()
 		if err != nil {
 			t.Fatal(err)

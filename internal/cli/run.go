@@ -17,6 +17,7 @@ import (
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/config"
 	"github.com/meshwarp/meshwarp/internal/kube"
+	"github.com/meshwarp/meshwarp/internal/crossnode"
 	"github.com/meshwarp/meshwarp/internal/metrics"
 	"github.com/meshwarp/meshwarp/internal/probe"
 )
@@ -33,6 +34,9 @@ type runOptions struct {
 	keepSmallStreams bool
 	observe          bool
 	accelerate       bool
+	crossNode        bool
+	nodeNetns        []string
+	uplinks          []string
 	keepWhileDS      string // namespace/name: keep on exit only while this DaemonSet stays
 	kubeconfig       string
 	policy           config.File
@@ -63,6 +67,22 @@ cgroup whether accelerated or not, HTTP/1.x request rate, status and duration
 failed connects: served at /metrics as http_server_request_duration_seconds,
 http_client_request_duration_seconds and meshwarp_tcp_*, live in
 ` + "`meshwarp top`" + `, per hop in ` + "`meshwarp trace`" + `. --accelerate=false observes only.
+
+Cross-node forwarding (--cross-node, off by default) attaches tcx programs to
+the node's pod-facing bridge ports and its uplinks (devices carrying a route
+through a gateway, or --uplinks): a pod's packet to a pod on another node goes
+straight to the uplink, and one arriving for a local pod straight into the
+pod (bpf_redirect_peer), past the node's bridge, netfilter and routing code,
+with the kernel's FIB deciding where it goes and the TTL decremented as
+forwarding does. ARP, fragments, IP options, packets larger than the MTU,
+expiring TTLs and unknown destinations take the normal path (counted by
+reason in ` + "`meshwarp status`" + `). A family is redirected only while the
+node has no netfilter rule or policy where forwarded packets would meet one
+(PREROUTING, FORWARD, POSTROUTING, netdev; iptables, ip6tables and nft are
+read every second) and no IPv4 rp_filter: such a rule keeps every packet of
+that family on the normal path. The pods' own rules (Istio's capture) see
+every packet as before. The agent's check expires 3s after it stops: then
+packets take the normal path until an agent checks again.
 
 Stopping:
   SIGINT/SIGTERM   detach and unpin (new connections use the normal stack;
@@ -109,6 +129,12 @@ connection; exclude them up front so that no connection is affected.`,
 		"record RED data of every connection of the cgroup, accelerated or not: HTTP/1.x request rate, status and duration, TCP connections and resets (/metrics, `meshwarp top`, `meshwarp trace`); its cost is in docs/BENCHMARKS.md")
 	f.BoolVar(&o.accelerate, "accelerate", true,
 		"pair and redirect connections; --accelerate=false observes only (needs --observe)")
+	f.BoolVar(&o.crossNode, "cross-node", false,
+		"forward pod packets between nodes past the node's bridge, netfilter and routing (tcx programs on bridge ports and uplinks; see above)")
+	f.StringSliceVar(&o.nodeNetns, "node-netns", nil,
+		"with --cross-node: network namespace paths of the nodes to forward in (default: the agent's own), e.g. /run/netns/meshwarp-node")
+	f.StringSliceVar(&o.uplinks, "uplinks", nil,
+		"with --cross-node: devices towards other nodes (default: every device carrying a route through a gateway)")
 	f.StringVar(&o.configFile, "config", "", "YAML policy file (include_ports, exclude_ports, include_cidrs, exclude_cidrs); SIGHUP reloads it")
 	f.BoolVar(&o.keepOnExit, "keep-on-exit", false, "leave the data path attached and pinned on exit (for restarts and upgrades)")
 	f.StringVar(&o.keepWhileDS, "keep-on-exit-while-daemonset", "", "namespace/name: keep the data path on exit only while this DaemonSet exists and is not being deleted")
@@ -144,6 +170,19 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 	if !o.accelerate && !o.observe {
 		return usageError("--accelerate=false with --observe=false leaves nothing to do: keep one of them")
 	}
+	if !o.crossNode && (len(o.nodeNetns) > 0 || len(o.uplinks) > 0) {
+		return usageError("--node-netns and --uplinks configure --cross-node: add --cross-node")
+	}
+	var nodes []crossnode.Node
+	for _, ns := range o.nodeNetns {
+		if _, err := os.Stat(ns); err != nil {
+			return usageError("--node-netns %s: %v (give a network namespace path such as /run/netns/NAME or /proc/PID/ns/net)", ns, err)
+		}
+		nodes = append(nodes, crossnode.Node{Netns: ns, Uplinks: o.uplinks})
+	}
+	if o.crossNode && len(nodes) == 0 {
+		nodes = []crossnode.Node{{Uplinks: o.uplinks}}
+	}
 	policy, err := o.loadPolicy()
 	if err != nil {
 		return withExit(ExitUsage, fmt.Errorf("invalid policy: %w", err))
@@ -177,6 +216,8 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 		KeepSmallStreams: o.keepSmallStreams,
 		Observe:          o.observe,
 		ObserveOnly:      !o.accelerate,
+		CrossNode:        o.crossNode,
+		CrossNodes:       nodes,
 	}, logger)
 	if err != nil {
 		return err

@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/crossnode"
 )
 
 func newStatusCommand(g *globalOptions) *cobra.Command {
@@ -76,7 +77,13 @@ attached). Counters are cumulative across agent restarts.
   hops                    per mesh hop: app_to_sidecar, sidecar_to_sidecar, sidecar_to_app, direct
   splice_socket_reads     splice(2) reads of sockets by processes of the cgroup
   unfit_processes         the processes that taught a learned reason, with their calls
-                          (watched while 'meshwarp run' runs)`,
+                          (watched while 'meshwarp run' runs)
+  cross_node              with run --cross-node: packets redirected to_wire (local pod to
+                          another node) and to_pod (another node into a local pod), with
+                          bytes; packets passed to the normal path by reason; per node
+                          namespace (netns cookie) whether the agent's check is current
+                          (verified) and which families it redirects (netfilter rules in
+                          the node's forwarding hooks, or IPv4 rp_filter, turn a family off)`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			s, err := accel.ReadPinnedStats(pinDir)
@@ -124,6 +131,9 @@ func printStatus(w io.Writer, pinDir string, s accel.Stats) {
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t\n", h, hs.PairedConnections, hs.RedirectedMessages, hs.RedirectedBytes)
 	}
 	tw.Flush()
+	if x := s.CrossNode; x != nil {
+		printCrossNode(w, x)
+	}
 	if len(s.OtherSockmapPrograms) > 0 {
 		fmt.Fprintf(w, "\nnote: other sock_ops/sk_msg programs run on this node; both run, and a socket whose\n"+
 			"sk_msg program is theirs stays on TCP (passthrough reason sockmap_busy):\n")
@@ -172,4 +182,25 @@ func sortedKeys(m map[string]uint64) []string {
 	}
 	sort.Strings(keys)
 	return keys
+}
+
+func printCrossNode(w io.Writer, x *crossnode.Stats) {
+	fmt.Fprintf(w, "\ncross-node forwarding (%d devices)\n", x.Devices)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	for _, d := range crossnode.DirectionNames() {
+		fmt.Fprintf(tw, "  redirected %s\t%d packets, %d bytes\n", d, x.RedirectedPackets[d], x.RedirectedBytes[d])
+	}
+	for _, r := range crossnode.ReasonNames() {
+		if x.PassedPackets[r] > 0 {
+			fmt.Fprintf(tw, "  passed: %s\t%d packets\n", r, x.PassedPackets[r])
+		}
+	}
+	for _, n := range x.Nodes {
+		state := "redirecting"
+		if !n.Verified {
+			state = "not verified by a running agent: everything takes the normal path"
+		}
+		fmt.Fprintf(tw, "  node netns cookie %d\t%s; ipv4 %s, ipv6 %s\n", n.NetnsCookie, state, labOnOff(n.IPv4), labOnOff(n.IPv6))
+	}
+	tw.Flush()
 }

@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/http"
 	"runtime"
+	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -20,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/crossnode"
 	"github.com/meshwarp/meshwarp/internal/version"
 )
 
@@ -59,6 +61,14 @@ var (
 		"Calls on accelerated sockets that a redirect cannot honour (splice, MSG_WAITALL, MSG_OOB, SO_RCVLOWAT, close with unread bytes), by the reason they teach: later connections on those ports stay on TCP.", []string{"reason"}, nil)
 	descFlowsFull = prometheus.NewDesc("meshwarp_observe_flows_full_total",
 		"Observations lost because the flow table (mw_flows) was full.", nil, nil)
+	descXNPackets = prometheus.NewDesc("meshwarp_crossnode_redirected_packets_total",
+		"Packets redirected past the node's bridge, netfilter and routing (run --cross-node), by direction: to_wire (a local pod to another node), to_pod (another node into a local pod).", []string{"direction"}, nil)
+	descXNBytes = prometheus.NewDesc("meshwarp_crossnode_redirected_bytes_total",
+		"Bytes of meshwarp_crossnode_redirected_packets_total, by direction.", []string{"direction"}, nil)
+	descXNPassed = prometheus.NewDesc("meshwarp_crossnode_passed_packets_total",
+		"Packets the cross-node programs left to the normal path, by reason.", []string{"reason"}, nil)
+	descXNNode = prometheus.NewDesc("meshwarp_crossnode_redirect_enabled",
+		"1 while packets of the family are redirected in the node namespace: an agent checked it lately and no netfilter rule (or IPv4 rp_filter) stands in the way.", []string{"netns_cookie", "family"}, nil)
 	descScrapeErr = prometheus.NewDesc("meshwarp_accel_scrape_error",
 		"1 if the last read of the BPF maps failed.", nil, nil)
 )
@@ -68,7 +78,8 @@ type accelCollector struct{ read StatsFunc }
 
 func (c accelCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descSockets, descRedirBytes, descRedirMsgs, descPassMsgs, descPassBytes,
-		descPassConns, descRemoved, descLeft, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descNATRemaps, descUnfit, descFlowsFull, descScrapeErr} {
+		descPassConns, descRemoved, descLeft, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descNATRemaps, descUnfit, descFlowsFull, descScrapeErr,
+		descXNPackets, descXNBytes, descXNPassed, descXNNode} {
 		ch <- d
 	}
 }
@@ -100,6 +111,25 @@ func (c accelCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descHopConns, prometheus.CounterValue, float64(hs.PairedConnections), h)
 		ch <- prometheus.MustNewConstMetric(descHopBytes, prometheus.CounterValue, float64(hs.RedirectedBytes), h)
 		ch <- prometheus.MustNewConstMetric(descHopMsgs, prometheus.CounterValue, float64(hs.RedirectedMessages), h)
+	}
+	if x := s.CrossNode; x != nil {
+		for _, d := range crossnode.DirectionNames() {
+			ch <- prometheus.MustNewConstMetric(descXNPackets, prometheus.CounterValue, float64(x.RedirectedPackets[d]), d)
+			ch <- prometheus.MustNewConstMetric(descXNBytes, prometheus.CounterValue, float64(x.RedirectedBytes[d]), d)
+		}
+		for _, r := range crossnode.ReasonNames() {
+			ch <- prometheus.MustNewConstMetric(descXNPassed, prometheus.CounterValue, float64(x.PassedPackets[r]), r)
+		}
+		for _, n := range x.Nodes {
+			cookie := strconv.FormatUint(n.NetnsCookie, 10)
+			for fam, on := range map[string]bool{"ipv4": n.Verified && n.IPv4, "ipv6": n.Verified && n.IPv6} {
+				v := 0.0
+				if on {
+					v = 1
+				}
+				ch <- prometheus.MustNewConstMetric(descXNNode, prometheus.GaugeValue, v, cookie, fam)
+			}
+		}
 	}
 }
 

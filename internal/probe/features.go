@@ -59,6 +59,7 @@ const (
 	configBPFJIT   = "CONFIG_BPF_SYSCALL=y and CONFIG_BPF_JIT=y"
 	configBTF      = "CONFIG_DEBUG_INFO_BTF=y"
 	configTrace    = "CONFIG_BPF_EVENTS=y"
+	configTC       = "CONFIG_NET_CLS_BPF=y and CONFIG_NET_XGRESS=y"
 	kernelTrace    = "4.7"
 	kernelLinkSock = "6.10"
 )
@@ -77,6 +78,7 @@ var programTypes = []struct {
 	{"prog tracepoint", ebpf.TracePoint, false, "syscall watches (what a redirect cannot honour)", configTrace},
 	{"prog tracing", ebpf.Tracing, false, "observation: the client application's read (tp_btf sock:sock_recv_length)", configTrace},
 	{"prog cgroup_skb", ebpf.CGroupSKB, false, "observation of connections that are not accelerated (run --observe)", configCgroup},
+	{"prog sched_cls", ebpf.SchedCLS, false, "cross-node forwarding (run --cross-node; tcx links, Linux 6.6)", configTC},
 }
 
 func (p *prober) programTypes() {
@@ -147,6 +149,11 @@ var helpers = []struct {
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkbLoadBytes, "bpf_skb_load_bytes", "observation: the segment's first bytes", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnGetSocketUid, "bpf_get_socket_uid", "observation: a socket older than the agent, its owner", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkcToTcpSock, "bpf_skc_to_tcp_sock", "observation: a socket older than the agent, its network namespace (BTF)", configBTF},
+	{ebpf.SchedCLS, "sched_cls", asm.FnFibLookup, "bpf_fib_lookup", "cross-node: the kernel's routing decision", configTC},
+	{ebpf.SchedCLS, "sched_cls", asm.FnRedirect, "bpf_redirect", "cross-node: to the uplink, neighbour resolved", configTC},
+	{ebpf.SchedCLS, "sched_cls", asm.FnRedirectNeigh, "bpf_redirect_neigh", "cross-node: to the uplink, neighbour unresolved (Linux 5.10)", configTC},
+	{ebpf.SchedCLS, "sched_cls", asm.FnRedirectPeer, "bpf_redirect_peer", "cross-node: into the pod (Linux 5.10)", configTC},
+	{ebpf.SchedCLS, "sched_cls", asm.FnSkbPullData, "bpf_skb_pull_data", "cross-node: headers in the linear area", configTC},
 	{ebpf.TracePoint, "tracepoint", asm.FnProbeReadUser, "bpf_probe_read_user", "reads the value of setsockopt(SO_RCVLOWAT) (syscall watch)", configTrace},
 }
 
@@ -213,7 +220,8 @@ func (p *prober) helpers() {
 			p.feature(name, false, h.use, MinKernel, h.config, func() error { return haveRawTracepoint("sock_recv_length") })
 			continue
 		}
-		p.feature(name, true, h.use, MinKernel, h.config, func() error {
+		// Cross-node forwarding is optional: its helpers do not make a node unready.
+		p.feature(name, h.prog != ebpf.SchedCLS, h.use, MinKernel, h.config, func() error {
 			err := features.HaveProgramHelper(h.prog, h.fn)
 			// skc_to_* helpers are hidden from programs loaded without
 			// CAP_PERFMON: that reads as "not supported" but is a privilege.

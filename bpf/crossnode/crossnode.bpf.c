@@ -1,0 +1,463 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * Cross-node forwarding: pod packets between nodes skip the node's bridge,
+ * netfilter and routing code, with the node's own routing decision.
+ *
+ * Attach points (tcx ingress, appended after other programs; "pass" is
+ * TCX_NEXT so programs after ours still run):
+ *   mw_xn_from_pod  on every pod-facing device (a veth that is a port of a
+ *                   bridge in the node namespace).
+ *   mw_xn_from_wire on every uplink (the device towards other nodes).
+ * From a pod: a frame addressed to the node (the bridge's MAC) whose FIB
+ * lookup (from the bridge, as the kernel would route it) leaves by an uplink
+ * goes straight to that uplink: bpf_redirect with the resolved neighbour, or
+ * bpf_redirect_neigh when the kernel has not resolved it yet.
+ * From the wire: a frame addressed to the uplink whose FIB lookup leaves by a
+ * pod bridge, to a neighbour the kernel resolved, goes straight into the pod
+ * with bpf_redirect_peer, to the port the bridge would have chosen: the
+ * port this program saw that MAC send from (mw_xn_macs, learned like the
+ * bridge's forwarding database).
+ * Both decrement the TTL / hop limit as forwarding does. Everything else
+ * passes to the normal path, counted by reason (enum mw_xn_reason).
+ *
+ * Netfilter: the agent checks the node namespace's rulesets and turns a
+ * family off (mw_xn_nodes) while any rule or policy sits where forwarded
+ * packets would meet it; the pods' own rules (Istio's capture) run as before,
+ * the programs never touch the pods' namespaces.
+ *
+ * Maps (pinned by name next to the agent's):
+ *   mw_xn_devs   HASH      mw_xn_dev_key  -> mw_xn_dev   the devices the agent manages
+ *   mw_xn_nodes  HASH      netns cookie   -> mw_xn_node  per node: families on
+ *   mw_xn_macs   LRU_HASH  mw_xn_mac_key  -> port ifindex learned from pods
+ *   mw_xn_stats  PERCPU_ARRAY            mw_xn_counters
+ */
+#include "vmlinux.h"
+#include "bpf_helpers.h"
+#include "bpf_endian.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+#define ETH_HLEN 14
+#define ETH_P_IP 0x0800
+#define ETH_P_IPV6 0x86DD
+#define AF_INET 2
+#define AF_INET6 10
+#define IP_MF 0x2000
+#define IP_OFFSET 0x1FFF
+#define TCX_NEXT -1
+#define IPPROTO_ICMPV6 58
+
+enum mw_xn_kind {
+	MW_XN_KIND_POD = 1,    /* a bridge port towards a pod */
+	MW_XN_KIND_UPLINK = 2, /* towards other nodes */
+	MW_XN_KIND_BRIDGE = 3, /* the bridge pods hang off */
+};
+
+/* Why a packet was left to the normal path. Go reads the names from BTF. */
+enum mw_xn_reason {
+	MW_XN_REASON_NONE = 0,
+	MW_XN_REASON_NOT_IP,         /* ARP, LLDP, ... */
+	MW_XN_REASON_NOT_ROUTED,     /* not addressed to the node's MAC: switched, not routed */
+	MW_XN_REASON_FRAGMENT,       /* IP fragments are reassembled or forwarded by the kernel */
+	MW_XN_REASON_IP_OPTIONS,     /* IPv4 options, IPv6 extension headers */
+	MW_XN_REASON_TTL,            /* TTL / hop limit would expire: the kernel answers ICMP */
+	MW_XN_REASON_NETFILTER,      /* the node has rules forwarded packets would meet */
+	MW_XN_REASON_UNVERIFIED,     /* no agent checked the node lately (stopped or killed) */
+	MW_XN_REASON_NOT_CROSS_NODE, /* to the node itself, or not between a pod and an uplink */
+	MW_XN_REASON_UNROUTABLE,     /* no route, blackhole, prohibit: the kernel answers */
+	MW_XN_REASON_MTU,            /* larger than the egress MTU: the kernel fragments or answers */
+	MW_XN_REASON_NO_NEIGHBOUR,   /* towards a pod the kernel has not resolved yet */
+	MW_XN_REASON_UNKNOWN_POD,    /* the pod's MAC has not been seen on a port yet */
+	MW_XN_REASON_FIB_OTHER,      /* any other FIB answer (forwarding off, ...) */
+	MW_XN_REASON_MALFORMED,      /* headers shorter than they claim */
+	MW_XN_REASON_MAX,
+};
+
+enum mw_xn_dir {
+	MW_XN_DIR_TO_WIRE = 0, /* from a local pod to another node */
+	MW_XN_DIR_TO_POD = 1,  /* from another node into a local pod */
+	MW_XN_DIR_MAX,
+};
+
+struct mw_xn_dev_key {
+	__u64 netns_cookie;
+	__u32 ifindex;
+	__u32 pad;
+};
+
+struct mw_xn_dev {
+	__u32 kind;       /* enum mw_xn_kind */
+	__u32 l3_ifindex; /* pod port: its bridge, where the kernel routes from */
+	__u8 mac[6];      /* pod port: its bridge's MAC; uplink, bridge: its own */
+	__u8 pad[2];
+};
+
+/*
+ * Families redirection is on for in a node (netfilter allows it), as the
+ * agent last checked. Its word is good until valid_until_ns (monotonic
+ * clock): an agent that stops checking stops the redirect.
+ */
+#define MW_XN_NODE_V4 1
+#define MW_XN_NODE_V6 2
+struct mw_xn_node {
+	__u32 flags;
+	__u32 pad;
+	__u64 valid_until_ns;
+};
+
+struct mw_xn_mac_key {
+	__u64 netns_cookie;
+	__u8 mac[6];
+	__u8 pad[2];
+};
+
+struct mw_xn_counters {
+	__u64 redirected_packets[MW_XN_DIR_MAX];
+	__u64 redirected_bytes[MW_XN_DIR_MAX];
+	__u64 neigh_redirects; /* of the to_wire packets: neighbour resolved by bpf_redirect_neigh */
+	__u64 passed[MW_XN_REASON_MAX];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct mw_xn_dev_key);
+	__type(value, struct mw_xn_dev);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_xn_devs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 64);
+	__type(key, __u64);
+	__type(value, struct mw_xn_node);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_xn_nodes SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct mw_xn_mac_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_xn_macs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mw_xn_counters);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_xn_stats SEC(".maps");
+
+/*
+ * skb->data and skb->data_end, loaded straight from the context: clang may
+ * otherwise compute &skb->data_end once and dereference it later, which the
+ * verifier refuses ("dereference of modified ctx ptr").
+ */
+#define SKB_PTR(skb, field)                                                              \
+	({                                                                                 \
+		__u64 _v;                                                                  \
+		asm volatile("%0 = *(u32 *)(%1 + %2)"                                      \
+			     : "=r"(_v)                                                    \
+			     : "r"(skb), "i"(__builtin_offsetof(struct __sk_buff, field))); \
+		(void *)(long)_v;                                                          \
+	})
+
+/* Keep the enums in BTF for bpf2go and for the names Go reads. */
+const enum mw_xn_reason mw_xn_reason_unused __attribute__((unused));
+const enum mw_xn_dir mw_xn_dir_unused __attribute__((unused));
+const enum mw_xn_kind mw_xn_kind_unused __attribute__((unused));
+
+extern void *bpf_cast_to_kern_ctx(void *obj) __ksym;
+
+/*
+ * The cookie of the namespace the packet's device lives in: the node. (The
+ * helper bpf_get_netns_cookie reads the packet's socket, which a packet
+ * coming out of a pod no longer has.)
+ */
+static __always_inline __u64 dev_netns_cookie(struct __sk_buff *ctx)
+{
+	struct sk_buff *skb = bpf_cast_to_kern_ctx(ctx);
+	return skb->dev->nd_net.net->net_cookie;
+}
+
+static __always_inline struct mw_xn_counters *counters(void)
+{
+	__u32 zero = 0;
+	return bpf_map_lookup_elem(&mw_xn_stats, &zero);
+}
+
+static __always_inline int pass(enum mw_xn_reason r)
+{
+	struct mw_xn_counters *c = counters();
+	if (c && r < MW_XN_REASON_MAX)
+		c->passed[r]++;
+	return TCX_NEXT;
+}
+
+static __always_inline void count_redirect(enum mw_xn_dir d, __u32 len, int neigh)
+{
+	struct mw_xn_counters *c = counters();
+	if (!c || d >= MW_XN_DIR_MAX)
+		return;
+	c->redirected_packets[d]++;
+	c->redirected_bytes[d] += len;
+	if (neigh)
+		c->neigh_redirects++;
+}
+
+static __always_inline int mac_eq(const __u8 *a, const __u8 *b)
+{
+	return *(const __u32 *)a == *(const __u32 *)b && *(const __u16 *)(a + 4) == *(const __u16 *)(b + 4);
+}
+
+/* The L3 view of a packet both directions need. */
+struct pkt {
+	__u16 proto; /* ETH_P_IP or ETH_P_IPV6, host order */
+	__u32 len;
+};
+
+/*
+ * check_ip: the packet is IP without options, fragments or an expiring TTL,
+ * and its headers are in the linear area. Fills the FIB query's L3 fields.
+ * Returns MW_XN_REASON_NONE or why not.
+ */
+static __always_inline enum mw_xn_reason check_ip(struct __sk_buff *skb, struct pkt *p, struct bpf_fib_lookup *fib)
+{
+	void *data = SKB_PTR(skb, data), *end = SKB_PTR(skb, data_end);
+	struct ethhdr *eth = data;
+
+	if ((void *)(eth + 1) > end)
+		return MW_XN_REASON_MALFORMED;
+	p->proto = bpf_ntohs(eth->h_proto);
+	p->len = skb->len;
+	if (p->proto == ETH_P_IP) {
+		struct iphdr *ip = (void *)(eth + 1);
+		if ((void *)(ip + 1) > end)
+			return MW_XN_REASON_MALFORMED;
+		if (ip->ihl != 5 || ip->version != 4)
+			return MW_XN_REASON_IP_OPTIONS;
+		if (ip->frag_off & bpf_htons(IP_MF | IP_OFFSET))
+			return MW_XN_REASON_FRAGMENT;
+		if (ip->ttl <= 1)
+			return MW_XN_REASON_TTL;
+		fib->family = AF_INET;
+		fib->tos = ip->tos;
+		fib->l4_protocol = ip->protocol;
+		fib->ipv4_src = ip->saddr;
+		fib->ipv4_dst = ip->daddr;
+		return MW_XN_REASON_NONE;
+	}
+	if (p->proto == ETH_P_IPV6) {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+		if ((void *)(ip6 + 1) > end)
+			return MW_XN_REASON_MALFORMED;
+		switch (ip6->nexthdr) {
+		case IPPROTO_TCP:
+		case IPPROTO_UDP:
+		case IPPROTO_ICMPV6:
+		case IPPROTO_SCTP:
+			break;
+		case 44: /* NEXTHDR_FRAGMENT */
+			return MW_XN_REASON_FRAGMENT;
+		default: /* hop-by-hop (the kernel must read it), routing, ... */
+			return MW_XN_REASON_IP_OPTIONS;
+		}
+		if (ip6->hop_limit <= 1)
+			return MW_XN_REASON_TTL;
+		/* Link-local and multicast destinations are never forwarded. */
+		if (ip6->daddr.in6_u.u6_addr8[0] == 0xff ||
+		    (ip6->daddr.in6_u.u6_addr8[0] == 0xfe && (ip6->daddr.in6_u.u6_addr8[1] & 0xc0) == 0x80))
+			return MW_XN_REASON_NOT_CROSS_NODE;
+		fib->family = AF_INET6;
+		fib->flowinfo = *(__be32 *)ip6 & bpf_htonl(0x0FFFFFFF);
+		fib->l4_protocol = ip6->nexthdr;
+		__builtin_memcpy(fib->ipv6_src, &ip6->saddr, 16);
+		__builtin_memcpy(fib->ipv6_dst, &ip6->daddr, 16);
+		return MW_XN_REASON_NONE;
+	}
+	return MW_XN_REASON_NOT_IP;
+}
+
+/* node_check: netfilter leaves this family to us in this node, as checked lately. */
+static __always_inline enum mw_xn_reason node_check(__u64 cookie, __u16 proto)
+{
+	struct mw_xn_node *n = bpf_map_lookup_elem(&mw_xn_nodes, &cookie);
+	if (!n || bpf_ktime_get_ns() > n->valid_until_ns)
+		return MW_XN_REASON_UNVERIFIED;
+	__u32 bit = proto == ETH_P_IP ? MW_XN_NODE_V4 : MW_XN_NODE_V6;
+	return (n->flags & bit) ? MW_XN_REASON_NONE : MW_XN_REASON_NETFILTER;
+}
+
+static __always_inline enum mw_xn_reason fib_reason(long rc)
+{
+	switch (rc) {
+	case BPF_FIB_LKUP_RET_NOT_FWDED:
+		return MW_XN_REASON_NOT_CROSS_NODE;
+	case BPF_FIB_LKUP_RET_BLACKHOLE:
+	case BPF_FIB_LKUP_RET_UNREACHABLE:
+	case BPF_FIB_LKUP_RET_PROHIBIT:
+		return MW_XN_REASON_UNROUTABLE;
+	case BPF_FIB_LKUP_RET_FRAG_NEEDED:
+		return MW_XN_REASON_MTU;
+	default:
+		return MW_XN_REASON_FIB_OTHER;
+	}
+}
+
+/*
+ * forward_headers: what the kernel's forwarding does to the headers: TTL or
+ * hop limit down by one (with the IPv4 checksum updated as ip_decrease_ttl
+ * does) and, with mac set, the new Ethernet addresses. Called after the
+ * last helper that may move packet data.
+ */
+static __always_inline int forward_headers(struct __sk_buff *skb, __u16 proto, const __u8 *dmac, const __u8 *smac)
+{
+	void *data = SKB_PTR(skb, data), *end = SKB_PTR(skb, data_end);
+	struct ethhdr *eth = data;
+
+	if ((void *)(eth + 1) > end)
+		return -1;
+	if (proto == ETH_P_IP) {
+		struct iphdr *ip = (void *)(eth + 1);
+		if ((void *)(ip + 1) > end)
+			return -1;
+		__u32 check = ip->check;
+		check += bpf_htons(0x0100);
+		ip->check = (__sum16)(check + (check >= 0xFFFF));
+		ip->ttl--;
+	} else {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+		if ((void *)(ip6 + 1) > end)
+			return -1;
+		ip6->hop_limit--;
+	}
+	if (dmac) {
+		__builtin_memcpy(eth->h_dest, dmac, 6);
+		__builtin_memcpy(eth->h_source, smac, 6);
+	}
+	return 0;
+}
+
+/* The headers must be linear for direct access: at most Ethernet + IPv6. */
+static __always_inline void pull_headers(struct __sk_buff *skb)
+{
+	const __u32 need = ETH_HLEN + sizeof(struct ipv6hdr);
+	if (SKB_PTR(skb, data) + need > SKB_PTR(skb, data_end))
+		bpf_skb_pull_data(skb, need);
+}
+
+SEC("tcx/ingress")
+int mw_xn_from_pod(struct __sk_buff *skb)
+{
+	__u64 cookie = dev_netns_cookie(skb);
+	struct mw_xn_dev_key dk = { .netns_cookie = cookie, .ifindex = skb->ifindex };
+	struct mw_xn_dev *dev = bpf_map_lookup_elem(&mw_xn_devs, &dk);
+	struct bpf_fib_lookup fib = {};
+	struct pkt p = {};
+	enum mw_xn_reason r;
+
+	if (!dev || dev->kind != MW_XN_KIND_POD)
+		return pass(MW_XN_REASON_NOT_CROSS_NODE);
+	pull_headers(skb);
+	void *data = SKB_PTR(skb, data), *end = SKB_PTR(skb, data_end);
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end)
+		return pass(MW_XN_REASON_MALFORMED);
+
+	/* Learn which port a pod's MAC sends from, as the bridge does. */
+	if (!(eth->h_source[0] & 1)) {
+		struct mw_xn_mac_key mk = { .netns_cookie = cookie };
+		__builtin_memcpy(mk.mac, eth->h_source, 6);
+		__u32 *port = bpf_map_lookup_elem(&mw_xn_macs, &mk);
+		__u32 ifindex = skb->ifindex;
+		if (!port || *port != ifindex)
+			bpf_map_update_elem(&mw_xn_macs, &mk, &ifindex, BPF_ANY);
+	}
+	if (!mac_eq(eth->h_dest, dev->mac))
+		return pass(MW_XN_REASON_NOT_ROUTED);
+	r = check_ip(skb, &p, &fib);
+	if (r != MW_XN_REASON_NONE)
+		return pass(r);
+	r = node_check(cookie, p.proto);
+	if (r != MW_XN_REASON_NONE)
+		return pass(r);
+
+	/* Routed as the kernel would: from the bridge, the packet's L3 input. */
+	fib.ifindex = dev->l3_ifindex;
+	long rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
+		return pass(fib_reason(rc));
+	struct mw_xn_dev_key ek = { .netns_cookie = cookie, .ifindex = fib.ifindex };
+	struct mw_xn_dev *out = bpf_map_lookup_elem(&mw_xn_devs, &ek);
+	if (!out || out->kind != MW_XN_KIND_UPLINK)
+		return pass(MW_XN_REASON_NOT_CROSS_NODE);
+
+	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH) {
+		struct bpf_redir_neigh nh = { .nh_family = fib.family };
+		__builtin_memcpy(nh.ipv6_nh, fib.ipv6_dst, 16); /* ipv4_nh shares the union */
+		if (forward_headers(skb, p.proto, 0, 0))
+			return pass(MW_XN_REASON_MALFORMED);
+		count_redirect(MW_XN_DIR_TO_WIRE, p.len, 1);
+		return bpf_redirect_neigh(fib.ifindex, &nh, sizeof(nh), 0);
+	}
+	if (forward_headers(skb, p.proto, fib.dmac, fib.smac))
+		return pass(MW_XN_REASON_MALFORMED);
+	count_redirect(MW_XN_DIR_TO_WIRE, p.len, 0);
+	return bpf_redirect(fib.ifindex, 0);
+}
+
+SEC("tcx/ingress")
+int mw_xn_from_wire(struct __sk_buff *skb)
+{
+	__u64 cookie = dev_netns_cookie(skb);
+	struct mw_xn_dev_key dk = { .netns_cookie = cookie, .ifindex = skb->ifindex };
+	struct mw_xn_dev *dev = bpf_map_lookup_elem(&mw_xn_devs, &dk);
+	struct bpf_fib_lookup fib = {};
+	struct pkt p = {};
+	enum mw_xn_reason r;
+
+	if (!dev || dev->kind != MW_XN_KIND_UPLINK)
+		return pass(MW_XN_REASON_NOT_CROSS_NODE);
+	pull_headers(skb);
+	void *data = SKB_PTR(skb, data), *end = SKB_PTR(skb, data_end);
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end)
+		return pass(MW_XN_REASON_MALFORMED);
+	if (!mac_eq(eth->h_dest, dev->mac))
+		return pass(MW_XN_REASON_NOT_ROUTED);
+	r = check_ip(skb, &p, &fib);
+	if (r != MW_XN_REASON_NONE)
+		return pass(r);
+	r = node_check(cookie, p.proto);
+	if (r != MW_XN_REASON_NONE)
+		return pass(r);
+
+	fib.ifindex = skb->ifindex;
+	long rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH)
+		return pass(MW_XN_REASON_NO_NEIGHBOUR);
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS)
+		return pass(fib_reason(rc));
+	struct mw_xn_dev_key bk = { .netns_cookie = cookie, .ifindex = fib.ifindex };
+	struct mw_xn_dev *br = bpf_map_lookup_elem(&mw_xn_devs, &bk);
+	if (!br || br->kind != MW_XN_KIND_BRIDGE)
+		return pass(MW_XN_REASON_NOT_CROSS_NODE);
+
+	/* The port the bridge would pick for the neighbour's MAC. */
+	struct mw_xn_mac_key mk = { .netns_cookie = cookie };
+	__builtin_memcpy(mk.mac, fib.dmac, 6);
+	__u32 *port = bpf_map_lookup_elem(&mw_xn_macs, &mk);
+	if (!port)
+		return pass(MW_XN_REASON_UNKNOWN_POD);
+	struct mw_xn_dev_key pk = { .netns_cookie = cookie, .ifindex = *port };
+	struct mw_xn_dev *pod = bpf_map_lookup_elem(&mw_xn_devs, &pk);
+	if (!pod || pod->kind != MW_XN_KIND_POD || pod->l3_ifindex != fib.ifindex)
+		return pass(MW_XN_REASON_UNKNOWN_POD);
+	__u32 target = pk.ifindex;
+	if (forward_headers(skb, p.proto, fib.dmac, fib.smac))
+		return pass(MW_XN_REASON_MALFORMED);
+	count_redirect(MW_XN_DIR_TO_POD, p.len, 0);
+	return bpf_redirect_peer(target, 0);
+}
