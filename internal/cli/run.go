@@ -16,8 +16,8 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/config"
-	"github.com/meshwarp/meshwarp/internal/kube"
 	"github.com/meshwarp/meshwarp/internal/crossnode"
+	"github.com/meshwarp/meshwarp/internal/kube"
 	"github.com/meshwarp/meshwarp/internal/metrics"
 	"github.com/meshwarp/meshwarp/internal/probe"
 )
