@@ -123,6 +123,9 @@ type Config struct {
 	// agent's own network namespace).
 	CrossNode  bool
 	CrossNodes []crossnode.Node
+	// CrossNodeInterval: how often devices and rulesets are read; 0 means
+	// crossnode.DefaultInterval.
+	CrossNodeInterval time.Duration
 	// ObserveReads also records client applications' reads of their
 	// responses (the breakdown's outermost point). It runs a program on every
 	// socket read of the node, so the agent leaves it to `meshwarp trace`,
@@ -320,7 +323,7 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	// Last: nothing after it can fail, so a failed start never undoes an
 	// earlier agent's cross-node links.
 	if cfg.CrossNode {
-		a.xn, err = crossnode.Start(crossnode.Config{PinDir: cfg.PinDir, Nodes: cfg.CrossNodes}, logger)
+		a.xn, err = crossnode.Start(crossnode.Config{PinDir: cfg.PinDir, Nodes: cfg.CrossNodes, Interval: cfg.CrossNodeInterval}, logger)
 		if errors.Is(err, crossnode.ErrBadConfig) {
 			return nil, fmt.Errorf("%w: %w", ErrBadConfig, err)
 		}

@@ -67,7 +67,7 @@ type Lab struct {
 
 	mu      sync.Mutex
 	capture bool
-	cgFD    int // opened lazily for Command; -1 until then
+	cgFDs   map[int]int // per node, opened lazily for Command
 	closed  bool
 }
 
@@ -134,7 +134,6 @@ func Load() (*Lab, error) {
 		cgroup:  st.Cgroup,
 		uid:     st.SidecarUID,
 		capture: st.Capture,
-		cgFD:    -1,
 	}
 	l.r = &runner{logger: l.logger}
 	for _, ns := range l.netnsNames() {
@@ -191,6 +190,20 @@ func (l *Lab) Pods() []Pod {
 // CgroupPath is the lab's cgroup v2 directory (<cgroup2 root>/meshwarp-lab):
 // attach sock_ops here to see every lab socket.
 func (l *Lab) CgroupPath() string { return l.cgroup }
+
+// NodeCgroup is the cgroup of the processes of node i's pods: the lab's
+// cgroup with one node, meshwarp-lab/node-<i> with two. One agent per node
+// attached there sees that node's sockets only, as on separate machines
+// (the lab's nodes share one kernel; an agent on the lab cgroup would pair
+// sockets across nodes).
+func (l *Lab) NodeCgroup(i int) string { return nodeCgroup(l.cgroup, i, len(l.nodes)) }
+
+func nodeCgroup(labCgroup string, i, nodes int) string {
+	if nodes <= 1 {
+		return labCgroup
+	}
+	return filepath.Join(labCgroup, fmt.Sprintf("node-%d", i))
+}
 
 // Capture reports whether capture is on, as last set by Up or SetCapture.
 func (l *Lab) Capture() bool {
@@ -253,11 +266,11 @@ func (l *Lab) RestartSidecars(ctx context.Context) error {
 	if left := terminate(ctx, pids, 5*time.Second); len(left) > 0 {
 		return fmt.Errorf("stop sidecars: pids %v did not exit", left)
 	}
-	fd, err := openCgroup(l.cgroup)
+	fds, err := l.openNodeCgroups()
 	if err != nil {
 		return err
 	}
-	defer unix.Close(fd)
+	defer closeFDs(fds)
 	for _, p := range l.pods {
 		if err := l.writeSidecarConfig(p, st.SidecarGID); err != nil {
 			return err
@@ -266,7 +279,7 @@ func (l *Lab) RestartSidecars(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if _, err := startDaemon(ds[0], fd); err != nil {
+		if _, err := startDaemon(ds[0], fds[p.Node]); err != nil {
 			return err
 		}
 	}
@@ -288,7 +301,7 @@ func (l *Lab) RestartSidecars(ctx context.Context) error {
 // The Lab keeps one descriptor of the cgroup open for this; Close releases it.
 func (l *Lab) Command(ctx context.Context, pod Pod, name string, args ...string) *exec.Cmd {
 	cmd := exec.CommandContext(ctx, "ip", append([]string{"netns", "exec", pod.Netns, name}, args...)...)
-	fd, err := l.commandCgroupFD()
+	fd, err := l.commandCgroupFD(pod.Node)
 	if err != nil {
 		cmd.Err = err
 		return cmd
@@ -297,35 +310,58 @@ func (l *Lab) Command(ctx context.Context, pod Pod, name string, args ...string)
 	return cmd
 }
 
-func (l *Lab) commandCgroupFD() (int, error) {
+func (l *Lab) commandCgroupFD(node int) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.closed {
 		return -1, errors.New("lab: Command after Close")
 	}
-	if l.cgFD >= 0 {
-		return l.cgFD, nil
+	if fd, ok := l.cgFDs[node]; ok {
+		return fd, nil
 	}
-	fd, err := openCgroup(l.cgroup)
+	fd, err := openCgroup(l.NodeCgroup(node))
 	if err != nil {
 		return -1, fmt.Errorf("%w: is the lab up? run `meshwarp lab up`", err)
 	}
-	l.cgFD = fd
+	if l.cgFDs == nil {
+		l.cgFDs = map[int]int{}
+	}
+	l.cgFDs[node] = fd
 	return fd, nil
 }
 
-// Close releases the cgroup descriptor Command uses. It does not stop the
+// openNodeCgroups opens every node's cgroup, by node index.
+func (l *Lab) openNodeCgroups() ([]int, error) {
+	var fds []int
+	for i := range l.nodes {
+		fd, err := openCgroup(l.NodeCgroup(i))
+		if err != nil {
+			closeFDs(fds)
+			return nil, err
+		}
+		fds = append(fds, fd)
+	}
+	return fds, nil
+}
+
+func closeFDs(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
+	}
+}
+
+// Close releases the cgroup descriptors Command uses. It does not stop the
 // lab (that is Down). Safe to call twice.
 func (l *Lab) Close() error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.closed = true
-	if l.cgFD >= 0 {
-		err := unix.Close(l.cgFD)
-		l.cgFD = -1
-		return err
+	var errs []error
+	for node, fd := range l.cgFDs {
+		errs = append(errs, unix.Close(fd))
+		delete(l.cgFDs, node)
 	}
-	return nil
+	return errors.Join(errs...)
 }
 
 // SidecarStats reads a pod's HAProxy counters from its stats socket.

@@ -245,7 +245,26 @@ func cgroupPids(path string) []int {
 			pids = append(pids, p)
 		}
 	}
+	// and those of the node cgroups below it
+	for _, sub := range subCgroups(path) {
+		pids = append(pids, cgroupPids(sub)...)
+	}
 	return pids
+}
+
+// subCgroups lists the cgroups directly below path.
+func subCgroups(path string) []string {
+	entries, err := os.ReadDir(path)
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, e := range entries {
+		if e.IsDir() {
+			out = append(out, filepath.Join(path, e.Name()))
+		}
+	}
+	return out
 }
 
 // netnsPids lists the processes whose network namespace is one of nss.
@@ -275,14 +294,20 @@ func netnsPids(nss []nsInode) []int {
 	return pids
 }
 
-// removeCgroup removes the lab cgroup, killing whatever is still inside
-// (cgroup.kill) and retrying while the kernel finishes tearing tasks down.
+// removeCgroup removes the lab cgroup (node cgroups first), killing
+// whatever is still inside (cgroup.kill kills the whole subtree) and
+// retrying while the kernel finishes tearing tasks down.
 func removeCgroup(ctx context.Context, path string) error {
 	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
 	if len(cgroupPids(path)) > 0 {
 		_ = os.WriteFile(filepath.Join(path, "cgroup.kill"), []byte("1"), 0)
+	}
+	for _, sub := range subCgroups(path) {
+		if err := removeCgroup(ctx, sub); err != nil {
+			return err
+		}
 	}
 	var last error
 	err := poll(ctx, 10*time.Second, 20*time.Millisecond, func() (bool, error) {

@@ -22,8 +22,6 @@ import (
 	"strings"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
@@ -101,7 +99,7 @@ func upLocked(ctx context.Context, opts Options, logger *slog.Logger) (*Lab, err
 		return nil, err
 	}
 
-	l := &Lab{logger: logger, r: r, nodes: planNodes(opts.Nodes), pods: planPods(opts.Pods, opts.Nodes), cgroup: cg, uid: opts.SidecarUID, capture: st.Capture, cgFD: -1}
+	l := &Lab{logger: logger, r: r, nodes: planNodes(opts.Nodes), pods: planPods(opts.Pods, opts.Nodes), cgroup: cg, uid: opts.SidecarUID, capture: st.Capture}
 
 	gid, created, err := ensureSidecarUser(ctx, r, opts.SidecarUID, logger)
 	if err != nil {
@@ -110,8 +108,17 @@ func upLocked(ctx context.Context, opts Options, logger *slog.Logger) (*Lab, err
 	st.SidecarGID = gid
 	st.UserCreated = st.UserCreated || created
 
-	if err := os.Mkdir(cg, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
-		return nil, fmt.Errorf("create lab cgroup %s: %w", cg, err)
+	for i := range opts.Nodes + 1 {
+		dir := cg
+		if i > 0 {
+			if opts.Nodes == 1 {
+				break
+			}
+			dir = l.NodeCgroup(i - 1)
+		}
+		if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+			return nil, fmt.Errorf("create lab cgroup %s: %w", dir, err)
+		}
 	}
 
 	logger.Info("creating namespaces, bridges and veths", "nodes", opts.Nodes, "pods", opts.Pods)
@@ -390,11 +397,11 @@ func (l *Lab) writeSidecarConfig(p podPlan, gid uint32) error {
 
 // ensureDaemons writes configs and starts every process that is not running.
 func (l *Lab) ensureDaemons(ctx context.Context, gid uint32) error {
-	fd, err := openCgroup(l.cgroup)
+	fds, err := l.openNodeCgroups()
 	if err != nil {
 		return err
 	}
-	defer unix.Close(fd)
+	defer closeFDs(fds)
 	var started []daemon
 	for i, p := range l.pods {
 		if err := l.writeSidecarConfig(p, gid); err != nil {
@@ -415,7 +422,7 @@ func (l *Lab) ensureDaemons(ctx context.Context, gid uint32) error {
 				l.logger.Debug("already running", "pod", p.Name, "proc", d.name, "pid", pid)
 				continue
 			}
-			pid, err := startDaemon(d, fd)
+			pid, err := startDaemon(d, fds[p.Node])
 			if err != nil {
 				return err
 			}

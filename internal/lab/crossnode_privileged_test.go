@@ -1,0 +1,491 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package lab
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/crossnode"
+	"github.com/meshwarp/meshwarp/internal/testutil"
+)
+
+// Cross-node forwarding on the two-node lab: the client pod on node 0, the
+// server pod on node 1, Istio capture in both. IPv4 goes through both
+// sidecars (the sidecar-to-sidecar hop crosses the nodes), IPv6 directly
+// (the lab captures IPv4 only). Every case runs with and without the
+// agents, with the same assertions. As on real nodes there is one agent per
+// node, on the node's cgroup: the lab's nodes share one kernel, and one
+// agent over both would pair the sockets of the two nodes directly.
+
+const crossNodePort = 8077
+
+var crossNodeIntegrityOpts = testutil.IntegrityOptions{Conns: 16, Messages: 8, MaxSize: 64 << 10, Seed: 14}
+
+// nodeCookie is the network namespace cookie of a node (what the status
+// reports its state under).
+func nodeCookie(t *testing.T, netns string) uint64 {
+	t.Helper()
+	var cookie uint64
+	err := testutil.OpenNetns(t, netns).Do(func() error {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		cookie, err = unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
+		return err
+	})
+	if err != nil {
+		t.Fatalf("netns cookie of %s: %v", netns, err)
+	}
+	return cookie
+}
+
+// crossNodeStats sums the counters of the agents pinned at pinDirs.
+func crossNodeStats(t *testing.T, pinDirs ...string) crossnode.Stats {
+	t.Helper()
+	sum := crossnode.Stats{RedirectedPackets: map[string]uint64{}, RedirectedBytes: map[string]uint64{}, PassedPackets: map[string]uint64{}}
+	for _, dir := range pinDirs {
+		s, err := crossnode.ReadPinnedStats(dir)
+		if err != nil {
+			t.Fatalf("cross-node stats of %s: %v", dir, err)
+		}
+		for k, v := range s.RedirectedPackets {
+			sum.RedirectedPackets[k] += v
+		}
+		for k, v := range s.RedirectedBytes {
+			sum.RedirectedBytes[k] += v
+		}
+		for k, v := range s.PassedPackets {
+			sum.PassedPackets[k] += v
+		}
+		sum.Devices += s.Devices
+		sum.Nodes = append(sum.Nodes, s.Nodes...)
+	}
+	return sum
+}
+
+// nodePinDirs names one pin directory per node, removed on cleanup.
+func nodePinDirs(t *testing.T, l *Lab) []string {
+	base := testutil.PinDir(t)
+	var dirs []string
+	for i := range l.Nodes() {
+		dir := fmt.Sprintf("%s-node%d", base, i)
+		t.Cleanup(func() { os.RemoveAll(dir) })
+		dirs = append(dirs, dir)
+	}
+	return dirs
+}
+
+// startNodeAgents starts one agent per node (its cgroup, its namespace) and
+// uninstalls them on cleanup.
+func startNodeAgents(t *testing.T, l *Lab, pinDirs []string) {
+	t.Helper()
+	for i, n := range l.Nodes() {
+		a, err := accel.Start(accel.Config{CgroupPath: l.NodeCgroup(i), PinDir: pinDirs[i], CrossNode: true,
+			CrossNodes: []crossnode.Node{{Netns: netnsPath(n.Netns)}}, CrossNodeInterval: 100 * time.Millisecond}, nil)
+		if err != nil {
+			t.Fatalf("start the agent of %s: %v", n.Netns, err)
+		}
+		t.Cleanup(func() {
+			if _, err := a.Uninstall(); err != nil {
+				t.Errorf("uninstall: %v", err)
+			}
+			if _, err := crossnode.ReadPinnedStats(pinDirs[i]); !errors.Is(err, crossnode.ErrNotInstalled) {
+				t.Errorf("after uninstall the cross-node pins remain: %v", err)
+			}
+		})
+	}
+}
+
+// listenInNode opens the server's listener with the server node's cgroup
+// (accepted sockets keep it), as a process of that node would.
+func listenInNode(t *testing.T, l *Lab, pod Pod) net.Listener {
+	t.Helper()
+	var ln net.Listener
+	t.Run("listen on the server's node", func(t *testing.T) {
+		testutil.JoinCgroup(t, l.NodeCgroup(pod.Node))
+		err := testutil.OpenNetns(t, pod.Netns).Do(func() (err error) {
+			ln, err = net.Listen("tcp", fmt.Sprintf(":%d", crossNodePort))
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	})
+	if ln == nil {
+		t.FailNow()
+	}
+	return ln
+}
+
+// waitNodeState polls until the node's state as the programs see it
+// satisfies ok.
+func waitNodeState(t *testing.T, pinDir string, cookie uint64, what string, ok func(crossnode.NodeState) bool) {
+	t.Helper()
+	var last []crossnode.NodeState
+	var lastErr error
+	err := poll(context.Background(), 20*time.Second, 20*time.Millisecond, func() (bool, error) {
+		s, err := crossnode.ReadPinnedStats(pinDir)
+		if err != nil {
+			lastErr = err
+			return false, nil
+		}
+		last = s.Nodes
+		for _, n := range s.Nodes {
+			if n.NetnsCookie == cookie {
+				return ok(n), nil
+			}
+		}
+		return false, nil
+	})
+	if err != nil {
+		t.Fatalf("node %d never %s (nodes %+v, read error %v)", cookie, what, last, lastErr)
+	}
+}
+
+// echoOnce sends msg and expects it back within timeout.
+func echoOnce(ns *testutil.Netns, network, addr string, msg []byte, timeout time.Duration) error {
+	var c net.Conn
+	err := ns.Do(func() (err error) {
+		c, err = net.DialTimeout(network, addr, timeout)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(timeout))
+	if _, err := c.Write(msg); err != nil {
+		return err
+	}
+	got := make([]byte, len(msg))
+	if _, err := io.ReadFull(c, got); err != nil {
+		return err
+	}
+	if !bytes.Equal(got, msg) {
+		return fmt.Errorf("echo differs: %q", got)
+	}
+	return nil
+}
+
+func TestPrivilegedCrossNode(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	l := upForTest(t, Options{Pods: 2, Nodes: 2, Capture: true})
+	client, server := l.Client(), l.Server()
+	if client.Node == server.Node {
+		t.Fatal("client and server on one node")
+	}
+	clientNs := testutil.OpenNetns(t, client.Netns)
+	serverNode := l.Nodes()[server.Node]
+	serverCookie := nodeCookie(t, serverNode.Netns)
+	ln := listenInNode(t, l, server)
+	testutil.JoinCgroup(t, l.NodeCgroup(client.Node))
+	rec := &sourceRecorder{Listener: ln, sources: map[netip.Addr]int{}}
+	echo := testutil.ServeEcho(rec)
+	defer echo.Close()
+
+	v4 := netip.AddrPortFrom(server.IP, crossNodePort).String()
+	v6 := netip.AddrPortFrom(server.IP6, crossNodePort).String()
+	dialer := func(network, addr string) func() (net.Conn, error) {
+		return func() (c net.Conn, err error) {
+			err = clientNs.Do(func() error { c, err = net.DialTimeout(network, addr, 30*time.Second); return err })
+			return c, err
+		}
+	}
+	inNode := func(t *testing.T, args ...string) {
+		t.Helper()
+		testutil.Run(t, "ip", append([]string{"netns", "exec", serverNode.Netns}, args...)...)
+	}
+
+	for _, withAgent := range []bool{false, true} {
+		mode := "without-agent"
+		if withAgent {
+			mode = "with-agent"
+		}
+		t.Run(mode, func(t *testing.T) {
+			var pinDirs []string
+			serverPins := ""
+			if withAgent {
+				pinDirs = nodePinDirs(t, l)
+				serverPins = pinDirs[server.Node]
+				startNodeAgents(t, l, pinDirs)
+				s := crossNodeStats(t, pinDirs...)
+				if s.Devices != 4 || len(s.Nodes) != 2 {
+					t.Fatalf("agents attached to %d devices in %d nodes, want 4 (pod port and wire in each) in 2", s.Devices, len(s.Nodes))
+				}
+				for _, n := range s.Nodes {
+					if !n.Verified || !n.IPv4 || !n.IPv6 {
+						t.Fatalf("node %+v: want verified with both families on (no netfilter rules in the lab's nodes)", n)
+					}
+				}
+			}
+
+			t.Run("bytes intact across nodes, ipv4 through both sidecars and ipv6 direct", func(t *testing.T) {
+				var before crossnode.Stats
+				if withAgent {
+					before = crossNodeStats(t, pinDirs...)
+				}
+				srcBefore := rec.snapshot()
+				var sent int64
+				for _, tc := range []struct{ network, addr string }{{"tcp4", v4}, {"tcp6", v6}} {
+					res := testutil.CheckIntegrity(dialer(tc.network, tc.addr), crossNodeIntegrityOpts)
+					t.Logf("%s %s: %d conns, sent %d bytes, echoed %d", tc.network, tc.addr, res.Conns, res.BytesSent, res.BytesEcho)
+					if err := res.Err(); err != nil {
+						t.Errorf("%s: %v", tc.addr, err)
+					}
+					sent += res.BytesSent
+				}
+				if r := echo.Resets.Load(); r != 0 {
+					t.Errorf("the server app saw %d connections end in an error", r)
+				}
+				// Istio's capture still sees every IPv4 connection: the app
+				// accepts them from the inbound sidecar.
+				src := rec.snapshot()
+				n := crossNodeIntegrityOpts.Conns
+				if d := src[netip.MustParseAddr(InboundSource)] - srcBefore[netip.MustParseAddr(InboundSource)]; d != n {
+					t.Errorf("app accepted %d IPv4 connections from the inbound sidecar, want %d (capture must still apply)", d, n)
+				}
+				if d := src[client.IP6] - srcBefore[client.IP6]; d != n {
+					t.Errorf("app accepted %d IPv6 connections from the client %s, want %d", d, client.IP6, n)
+				}
+				if !withAgent {
+					return
+				}
+				after := crossNodeStats(t, pinDirs...)
+				for _, dir := range crossnode.DirectionNames() {
+					got := after.RedirectedBytes[dir] - before.RedirectedBytes[dir]
+					t.Logf("redirected %s: %d packets, %d bytes", dir, after.RedirectedPackets[dir]-before.RedirectedPackets[dir], got)
+					// Each payload byte crosses the wire twice (there and
+					// echoed), once through each direction's program.
+					if got < uint64(2*sent) {
+						t.Errorf("redirected %s %d bytes, want >= %d (every payload byte, both ways)", dir, got, 2*sent)
+					}
+				}
+				t.Logf("passed: %v", after.PassedPackets)
+			})
+
+			t.Run("an ip6tables FORWARD drop on the server's node is obeyed", func(t *testing.T) {
+				rule := []string{"ip6tables", "-w", "FORWARD", "-p", "tcp", "--dport", fmt.Sprint(crossNodePort), "-j", "DROP"}
+				inNode(t, append([]string{rule[0], rule[1], "-I"}, rule[2:]...)...)
+				removed := false
+				remove := func() {
+					if !removed {
+						removed = true
+						inNode(t, append([]string{rule[0], rule[1], "-D"}, rule[2:]...)...)
+					}
+				}
+				defer remove()
+				var before crossnode.Stats
+				if withAgent {
+					waitNodeState(t, serverPins, serverCookie, "turned IPv6 off", func(n crossnode.NodeState) bool { return n.Verified && !n.IPv6 && n.IPv4 })
+					before = crossNodeStats(t, serverPins)
+				}
+				if err := echoOnce(clientNs, "tcp6", v6, []byte("dropped\n"), 2*time.Second); err == nil {
+					t.Error("an IPv6 connection passed the node's FORWARD DROP rule")
+				}
+				if err := echoOnce(clientNs, "tcp4", v4, []byte("ipv4 unaffected\n"), 10*time.Second); err != nil {
+					t.Errorf("IPv4 (not matched by ip6tables): %v", err)
+				}
+				if withAgent {
+					if d := crossNodeStats(t, serverPins).PassedPackets["netfilter"] - before.PassedPackets["netfilter"]; d == 0 {
+						t.Error("no packet counted as passed for netfilter")
+					}
+				}
+				remove()
+				if withAgent {
+					waitNodeState(t, serverPins, serverCookie, "turned IPv6 back on", func(n crossnode.NodeState) bool { return n.Verified && n.IPv6 })
+				}
+				if err := echoOnce(clientNs, "tcp6", v6, []byte("allowed again\n"), 10*time.Second); err != nil {
+					t.Errorf("IPv6 after the rule went: %v", err)
+				}
+			})
+
+			t.Run("a DNAT rule on the server's node is applied", func(t *testing.T) {
+				// Only DNAT makes :9077 reach the app: a packet that skipped
+				// it would reach the pod's sidecar for a port nobody serves.
+				rule := []string{"iptables", "-w", "-t", "nat", "PREROUTING", "-d", server.IP.String(), "-p", "tcp", "--dport", "9077",
+					"-j", "DNAT", "--to-destination", fmt.Sprintf("%s:%d", server.IP, crossNodePort)}
+				inNode(t, append([]string{rule[0], rule[1], rule[2], rule[3], "-A"}, rule[4:]...)...)
+				removed := false
+				remove := func() {
+					if !removed {
+						removed = true
+						inNode(t, append([]string{rule[0], rule[1], rule[2], rule[3], "-D"}, rule[4:]...)...)
+					}
+				}
+				defer remove()
+				if withAgent {
+					waitNodeState(t, serverPins, serverCookie, "turned IPv4 off", func(n crossnode.NodeState) bool { return n.Verified && !n.IPv4 && n.IPv6 })
+				}
+				to := netip.AddrPortFrom(server.IP, 9077).String()
+				if err := echoOnce(clientNs, "tcp4", to, []byte("through the node's DNAT\n"), 10*time.Second); err != nil {
+					t.Errorf("echo through the node's DNAT rule: %v", err)
+				}
+				res := testutil.CheckIntegrity(dialer("tcp4", to), testutil.IntegrityOptions{Conns: 4, Messages: 4, MaxSize: 16 << 10, Seed: 9})
+				if err := res.Err(); err != nil {
+					t.Error(err)
+				}
+				remove()
+				if withAgent {
+					waitNodeState(t, serverPins, serverCookie, "turned IPv4 back on", func(n crossnode.NodeState) bool { return n.Verified && n.IPv4 })
+				}
+			})
+		})
+	}
+	waitIdle(t, l)
+}
+
+// TestPrivilegedCrossNodeLifecycle: streams across nodes (IPv4 through the
+// sidecars, IPv6 direct) keep every byte while a real `meshwarp run
+// --cross-node` is started, killed, restarted (adopting the pinned
+// programs) and stopped (uninstalling).
+func TestPrivilegedCrossNodeLifecycle(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	l := upForTest(t, Options{Pods: 2, Nodes: 2, Capture: true})
+	client, server := l.Client(), l.Server()
+	clientNs := testutil.OpenNetns(t, client.Netns)
+	ln := listenInNode(t, l, server)
+	testutil.JoinCgroup(t, l.NodeCgroup(client.Node))
+	echo := testutil.ServeEcho(ln)
+	defer echo.Close()
+
+	bin := testutil.MeshwarpBinary(t)
+	pinDirs := nodePinDirs(t, l)
+	type agentProc struct {
+		cmd *exec.Cmd
+		out *testutil.SyncBuffer
+	}
+	// run starts one `meshwarp run --cross-node` per node.
+	run := func() []agentProc {
+		var procs []agentProc
+		for i, n := range l.Nodes() {
+			out := &testutil.SyncBuffer{}
+			cmd := exec.Command(bin, "run", "--cgroup", l.NodeCgroup(i), "--pin-dir", pinDirs[i], "--metrics-addr", "",
+				"--cross-node", "--node-netns", netnsPath(n.Netns))
+			cmd.Stdout, cmd.Stderr = out, out
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				if cmd.ProcessState == nil {
+					cmd.Process.Kill()
+					cmd.Wait()
+				}
+			})
+			procs = append(procs, agentProc{cmd, out})
+		}
+		return procs
+	}
+	redirected := func() (sum uint64) {
+		for _, dir := range pinDirs {
+			if s, err := crossnode.ReadPinnedStats(dir); err == nil {
+				sum += s.RedirectedPackets["to_pod"] + s.RedirectedPackets["to_wire"]
+			}
+		}
+		return sum
+	}
+	waitRedirecting := func(what string) {
+		t.Helper()
+		from := redirected()
+		if err := poll(context.Background(), 30*time.Second, 20*time.Millisecond, func() (bool, error) {
+			return redirected() > from+100, nil
+		}); err != nil {
+			t.Fatalf("%s: no packets redirected under load", what)
+		}
+	}
+
+	stop := make(chan struct{})
+	started := make(chan struct{}, 2*crossNodeIntegrityOpts.Conns)
+	results := make(chan testutil.IntegrityResult, 2)
+	for _, tc := range []struct{ network, addr string }{
+		{"tcp4", netip.AddrPortFrom(server.IP, crossNodePort).String()},
+		{"tcp6", netip.AddrPortFrom(server.IP6, crossNodePort).String()},
+	} {
+		opts := crossNodeIntegrityOpts
+		opts.Stop, opts.Started = stop, started
+		go func() {
+			results <- testutil.CheckIntegrity(func() (c net.Conn, err error) {
+				err = clientNs.Do(func() error { c, err = net.DialTimeout(tc.network, tc.addr, 30*time.Second); return err })
+				return c, err
+			}, opts)
+		}()
+	}
+	for range 2 * crossNodeIntegrityOpts.Conns {
+		<-started
+	}
+
+	// Both agents attached: a pod port and the wire in each node, verified.
+	waitAttached := func(what string) {
+		t.Helper()
+		for i, n := range l.Nodes() {
+			waitNodeState(t, pinDirs[i], nodeCookie(t, n.Netns), what, func(s crossnode.NodeState) bool { return s.Verified && s.IPv4 && s.IPv6 })
+		}
+		if d := crossNodeStats(t, pinDirs...).Devices; d != 2*len(l.Nodes()) {
+			t.Errorf("%s: %d devices attached, want %d", what, d, 2*len(l.Nodes()))
+		}
+	}
+	agents := run()
+	waitAttached("first agents")
+	waitRedirecting("first agents")
+
+	// kill: the pinned programs stay; without an agent's check they stop
+	// redirecting (everything takes the normal path) within VerifiedFor.
+	for _, a := range agents {
+		a.cmd.Process.Signal(syscall.SIGKILL)
+		a.cmd.Wait()
+	}
+	for i, n := range l.Nodes() {
+		waitNodeState(t, pinDirs[i], nodeCookie(t, n.Netns), "unverified after the agent was killed", func(s crossnode.NodeState) bool { return !s.Verified })
+	}
+	if p := crossNodeStats(t, pinDirs...).PassedPackets["unverified"]; p == 0 {
+		t.Error("no packet took the normal path as unverified while no agent ran")
+	}
+
+	agents = run()
+	waitAttached("restarted agents (adopting the pinned links)")
+	waitRedirecting("restarted agents")
+
+	// SIGTERM: uninstall under load.
+	for _, a := range agents {
+		a.cmd.Process.Signal(syscall.SIGTERM)
+		if err := a.cmd.Wait(); err != nil {
+			t.Errorf("agent exit: %v\n%s", err, a.out.String())
+		}
+	}
+	for _, dir := range pinDirs {
+		if left, _ := filepath.Glob(filepath.Join(dir, "mw_xn_*")); len(left) > 0 {
+			t.Errorf("pins left after uninstall: %v", left)
+		}
+	}
+	// New connections take the normal path after the uninstall.
+	if err := echoOnce(clientNs, "tcp6", netip.AddrPortFrom(server.IP6, crossNodePort).String(), []byte("after\n"), 10*time.Second); err != nil {
+		t.Errorf("echo after the uninstall: %v", err)
+	}
+	close(stop)
+	for range 2 {
+		res := <-results
+		t.Logf("stream: %d conns, sent %d bytes, echoed %d", res.Conns, res.BytesSent, res.BytesEcho)
+		if err := res.Err(); err != nil {
+			t.Error(err)
+		}
+	}
+	if r := echo.Resets.Load(); r != 0 {
+		t.Errorf("the server app saw %d connections end in an error", r)
+	}
+}
