@@ -265,41 +265,85 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 
 // Sub returns s - before, counter by counter (AcceleratedSockets is a gauge
 // and is taken from s): the activity of one measured interval.
-func (s Stats) Sub(before Stats) Stats {
+func (s Stats) Sub(before Stats) Stats { return s.combine(before, true) }
+
+// Add sums the counters of two agents (the bench's one agent per lab node).
+func (s Stats) Add(o Stats) Stats { return s.combine(o, false) }
+
+// combine subtracts (sub) or adds o's cumulative counters to s's; the
+// rest is s's.
+func (s Stats) combine(o Stats, sub bool) Stats {
+	op := func(a, b uint64) uint64 { return a + b }
+	if sub {
+		op = func(a, b uint64) uint64 { return a - b }
+	}
 	d := s
-	d.RedirectedMessages -= before.RedirectedMessages
-	d.RedirectedBytes -= before.RedirectedBytes
-	d.PassthroughMessages -= before.PassthroughMessages
-	d.PassthroughBytes -= before.PassthroughBytes
-	d.PairedSockets -= before.PairedSockets
-	d.LeftSockets -= before.LeftSockets
-	d.SockhashFull -= before.SockhashFull
-	d.SpliceSocketReads -= before.SpliceSocketReads
-	d.NATPortRemaps -= before.NATPortRemaps
-	d.FlowsFull -= before.FlowsFull
-	d.BPFRunSeconds -= before.BPFRunSeconds
-	d.BPFRuns -= before.BPFRuns
-	d.PassthroughByReason = subMap(s.PassthroughByReason, before.PassthroughByReason)
-	d.PassthroughBytesByReason = subMap(s.PassthroughBytesByReason, before.PassthroughBytesByReason)
-	d.PassthroughConnections = subMap(s.PassthroughConnections, before.PassthroughConnections)
-	d.RemovedSockets = subMap(s.RemovedSockets, before.RemovedSockets)
-	d.UnfitCalls = subMap(s.UnfitCalls, before.UnfitCalls)
+	d.RedirectedMessages = op(s.RedirectedMessages, o.RedirectedMessages)
+	d.RedirectedBytes = op(s.RedirectedBytes, o.RedirectedBytes)
+	d.PassthroughMessages = op(s.PassthroughMessages, o.PassthroughMessages)
+	d.PassthroughBytes = op(s.PassthroughBytes, o.PassthroughBytes)
+	d.PairedSockets = op(s.PairedSockets, o.PairedSockets)
+	d.LeftSockets = op(s.LeftSockets, o.LeftSockets)
+	d.SockhashFull = op(s.SockhashFull, o.SockhashFull)
+	d.SpliceSocketReads = op(s.SpliceSocketReads, o.SpliceSocketReads)
+	d.NATPortRemaps = op(s.NATPortRemaps, o.NATPortRemaps)
+	d.FlowsFull = op(s.FlowsFull, o.FlowsFull)
+	d.BPFRuns = op(s.BPFRuns, o.BPFRuns)
+	d.BPFRunSeconds = s.BPFRunSeconds + o.BPFRunSeconds
+	if sub {
+		d.BPFRunSeconds = s.BPFRunSeconds - o.BPFRunSeconds
+	}
+	d.PassthroughByReason = combineMap(s.PassthroughByReason, o.PassthroughByReason, op)
+	d.PassthroughBytesByReason = combineMap(s.PassthroughBytesByReason, o.PassthroughBytesByReason, op)
+	d.PassthroughConnections = combineMap(s.PassthroughConnections, o.PassthroughConnections, op)
+	d.RemovedSockets = combineMap(s.RemovedSockets, o.RemovedSockets, op)
+	d.UnfitCalls = combineMap(s.UnfitCalls, o.UnfitCalls, op)
 	d.Hops = map[string]HopStats{}
-	for k, v := range s.Hops {
-		b := before.Hops[k]
+	keys := map[string]bool{}
+	for k := range s.Hops {
+		keys[k] = true
+	}
+	for k := range o.Hops {
+		keys[k] = true
+	}
+	for k := range keys {
+		v, b := s.Hops[k], o.Hops[k]
 		d.Hops[k] = HopStats{
-			PairedConnections:  v.PairedConnections - b.PairedConnections,
-			RedirectedMessages: v.RedirectedMessages - b.RedirectedMessages,
-			RedirectedBytes:    v.RedirectedBytes - b.RedirectedBytes,
+			PairedConnections:  op(v.PairedConnections, b.PairedConnections),
+			RedirectedMessages: op(v.RedirectedMessages, b.RedirectedMessages),
+			RedirectedBytes:    op(v.RedirectedBytes, b.RedirectedBytes),
+		}
+	}
+	if s.CrossNode != nil || o.CrossNode != nil {
+		var a, b crossnode.Stats
+		if s.CrossNode != nil {
+			a = *s.CrossNode
+		}
+		if o.CrossNode != nil {
+			b = *o.CrossNode
+		}
+		d.CrossNode = &crossnode.Stats{
+			RedirectedPackets: combineMap(a.RedirectedPackets, b.RedirectedPackets, op),
+			RedirectedBytes:   combineMap(a.RedirectedBytes, b.RedirectedBytes, op),
+			NeighRedirects:    op(a.NeighRedirects, b.NeighRedirects),
+			PassedPackets:     combineMap(a.PassedPackets, b.PassedPackets, op),
+			Devices:           a.Devices,
+			Nodes:             a.Nodes,
 		}
 	}
 	return d
 }
 
-func subMap(a, b map[string]uint64) map[string]uint64 {
+// combineMap applies op per key of either map.
+func combineMap(a, b map[string]uint64, op func(a, b uint64) uint64) map[string]uint64 {
 	out := make(map[string]uint64, len(a))
 	for k, v := range a {
-		out[k] = v - b[k]
+		out[k] = op(v, b[k])
+	}
+	for k, v := range b {
+		if _, ok := a[k]; !ok {
+			out[k] = op(0, v)
+		}
 	}
 	return out
 }

@@ -88,6 +88,9 @@ type AgentSettings struct {
 	Observe, Accelerate bool
 	// ObserveReads: accel.Config.ObserveReads (the breakdown's client_app point).
 	ObserveReads bool
+	// CrossNodeNetns, when set, turns on cross-node forwarding in that node
+	// namespace (the lab with two nodes: one agent per node).
+	CrossNodeNetns string
 }
 
 // ModeAgentSettings returns the settings of mode's agent (zero without one).
@@ -131,6 +134,11 @@ type Options struct {
 	// tracepoint, as `meshwarp run` does: no client_app point in the
 	// breakdown, and the observation's cost as run pays it.
 	NoObserveReads bool
+
+	// Nodes is the lab's node count (0 means 1). With 2 the client and the
+	// server pods live on different nodes, and every agent mode runs one
+	// agent per node with cross-node forwarding.
+	Nodes int
 
 	// KeepLab keeps a lab that bench brought up itself.
 	KeepLab bool
@@ -186,6 +194,9 @@ func (o *Options) Normalize() error {
 	if o.PinDir == "" {
 		o.PinDir = DefaultPinDir
 	}
+	if o.Nodes == 0 {
+		o.Nodes = 1
+	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -195,6 +206,9 @@ func (o *Options) Normalize() error {
 	}
 	if o.QperfDuration < time.Second {
 		errs = append(errs, fmt.Errorf("qperf duration %v: must be at least 1s (qperf counts whole seconds)", o.QperfDuration))
+	}
+	if o.Nodes < 1 || o.Nodes > 2 {
+		errs = append(errs, fmt.Errorf("--nodes %d: give 1 or 2", o.Nodes))
 	}
 	if o.Repeat < 1 {
 		errs = append(errs, fmt.Errorf("--repeat %d: must be at least 1", o.Repeat))

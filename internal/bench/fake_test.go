@@ -17,6 +17,7 @@ func (fakeEnv) TCPEchoPort() int                      { return 8078 }
 func (fakeEnv) QperfPorts() (int, int)                { return 19765, 0 }
 func (fakeEnv) SetCapture(bool) error                 { return nil }
 func (fakeEnv) CgroupPath() string                    { return "/nonexistent" }
+func (fakeEnv) AgentTargets() []AgentTarget           { return []AgentTarget{{Cgroup: "/nonexistent"}} }
 func (fakeEnv) RestartSidecars(context.Context) error { return nil }
 func (fakeEnv) ClientCommand(ctx context.Context, name string, args ...string) *exec.Cmd {
 	return exec.CommandContext(ctx, name, args...)

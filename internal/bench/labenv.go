@@ -11,9 +11,11 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"time"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/crossnode"
 	"github.com/meshwarp/meshwarp/internal/lab"
 )
 
@@ -42,6 +44,18 @@ func (e labEnv) SetCapture(on bool) error                  { return e.l.SetCaptu
 func (e labEnv) RestartSidecars(ctx context.Context) error { return e.l.RestartSidecars(ctx) }
 func (e labEnv) CgroupPath() string                        { return e.l.CgroupPath() }
 
+func (e labEnv) AgentTargets() []AgentTarget {
+	nodes := e.l.Nodes()
+	if len(nodes) == 1 {
+		return []AgentTarget{{Cgroup: e.l.CgroupPath()}}
+	}
+	var out []AgentTarget
+	for i, n := range nodes {
+		out = append(out, AgentTarget{Cgroup: e.l.NodeCgroup(i), NodeNetns: filepath.Join("/run/netns", n.Netns)})
+	}
+	return out
+}
+
 // LabSession is a lab for one bench run: the one already up (used and left
 // as found, capture setting included), or one that bench brought up itself
 // and takes down in Close unless kept.
@@ -55,13 +69,19 @@ type LabSession struct {
 	status      io.Writer
 }
 
-// OpenLab uses the running lab or, when none is up, brings one up. It says
-// which on status (nil: silent).
-func OpenLab(ctx context.Context, keep bool, logger *slog.Logger, status io.Writer) (*LabSession, error) {
+// OpenLab uses the running lab or, when none is up, brings one up with
+// nodes node namespaces (0 means 1). It says which on status (nil: silent).
+func OpenLab(ctx context.Context, keep bool, nodes int, logger *slog.Logger, status io.Writer) (*LabSession, error) {
 	if status == nil {
 		status = io.Discard
 	}
+	nodes = max(nodes, 1)
 	l, err := lab.Load()
+	if err == nil && len(l.Nodes()) != nodes {
+		l.Close()
+		return nil, fmt.Errorf("the lab that is up has %d node(s), bench --nodes %d needs %d: run `meshwarp lab down` (bench then brings up its own)",
+			len(l.Nodes()), nodes, nodes)
+	}
 	if err == nil {
 		fmt.Fprintln(status, "bench: using the lab that is up (left as found)")
 		return &LabSession{Lab: l, origCapture: l.Capture(), logger: logger, status: status}, nil
@@ -74,7 +94,7 @@ func OpenLab(ctx context.Context, keep bool, logger *slog.Logger, status io.Writ
 	} else {
 		fmt.Fprintln(status, "bench: no lab is up: bringing one up (taken down at the end)")
 	}
-	l, err = lab.Up(ctx, lab.Options{Pods: lab.DefaultPods, SidecarUID: SidecarUID, Capture: true}, logger)
+	l, err = lab.Up(ctx, lab.Options{Pods: lab.DefaultPods, Nodes: nodes, SidecarUID: SidecarUID, Capture: true}, logger)
 	if err != nil {
 		// lab.Up may have left a half-built lab: take it down again.
 		if derr := downLab(logger); derr != nil {
@@ -136,6 +156,8 @@ func StartAccel(logger *slog.Logger) StartAgentFunc {
 			Observe: s.Observe, ObserveOnly: !s.Accelerate,
 			// The breakdown in the report starts at the client's own read.
 			ObserveReads: s.ObserveReads,
+			CrossNode:    s.CrossNodeNetns != "",
+			CrossNodes:   []crossnode.Node{{Netns: s.CrossNodeNetns}},
 		}, logger)
 		if err != nil {
 			return nil, err

@@ -105,6 +105,10 @@ type AgentDelta struct {
 	Hops                   map[string]HopCounters `json:"by_hop,omitempty"`
 	// BPFRunSeconds is the CPU time of the agent's BPF programs over the run.
 	BPFRunSeconds float64 `json:"bpf_run_seconds,omitempty"`
+	// CrossNode counters (--nodes 2): packets redirected by direction, and
+	// passed by reason (non-zero only).
+	CrossNodeRedirected map[string]uint64 `json:"crossnode_redirected_packets,omitempty"`
+	CrossNodePassed     map[string]uint64 `json:"crossnode_passed_packets_by_reason,omitempty"`
 }
 
 // HopCounters counts one hop kind (app_to_sidecar, sidecar_to_sidecar,
@@ -158,6 +162,7 @@ type Config struct {
 	Interleaving           string   `json:"interleaving"`
 	CPUAccounting          string   `json:"cpu_accounting"`
 	PinDir                 string   `json:"pin_dir"`
+	Nodes                  int      `json:"nodes,omitempty"`
 	SidecarUID             uint32   `json:"sidecar_uid"`
 	QperfModes             []string `json:"qperf_modes,omitempty"`
 	LabBroughtUpByBench    bool     `json:"lab_brought_up_by_bench"`

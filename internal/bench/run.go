@@ -48,6 +48,65 @@ type Env interface {
 	RestartSidecars(ctx context.Context) error
 	// CgroupPath is the cgroup v2 directory holding every lab process.
 	CgroupPath() string
+	// AgentTargets are where the agent modes attach: one agent per node
+	// (the lab's nodes share a kernel; one agent over both would pair
+	// sockets across nodes).
+	AgentTargets() []AgentTarget
+}
+
+// AgentTarget is one node's agent: its cgroup and, with several nodes, its
+// node namespace for cross-node forwarding.
+type AgentTarget struct {
+	Cgroup    string
+	NodeNetns string // "" with one node
+}
+
+// AgentPinDirs are the pin directories of n agents: pinDir, pinDir-node1, ...
+func AgentPinDirs(pinDir string, n int) []string {
+	out := []string{pinDir}
+	for i := 1; i < n; i++ {
+		out = append(out, fmt.Sprintf("%s-node%d", pinDir, i))
+	}
+	return out
+}
+
+// nodeAgents are the agents of one mode, one per node, read as one.
+type nodeAgents []Agent
+
+func (as nodeAgents) Stats() (accel.Stats, error) {
+	var sum accel.Stats
+	for i, a := range as {
+		s, err := a.Stats()
+		if err != nil {
+			return sum, err
+		}
+		if i == 0 {
+			sum = s
+		} else {
+			sum = sum.Add(s)
+		}
+	}
+	return sum, nil
+}
+
+func (as nodeAgents) Flows() ([]accel.Flow, error) {
+	var all []accel.Flow
+	for _, a := range as {
+		f, err := a.Flows()
+		if err != nil {
+			return nil, err
+		}
+		all = append(all, f...)
+	}
+	return all, nil
+}
+
+func (as nodeAgents) Uninstall() error {
+	var errs []error
+	for _, a := range as {
+		errs = append(errs, a.Uninstall())
+	}
+	return errors.Join(errs...)
 }
 
 // Agent is an attached acceleration agent.
@@ -77,6 +136,17 @@ func deltaOf(d accel.Stats) *AgentDelta {
 	for k, v := range d.PassthroughByReason {
 		if v > 0 {
 			out.PassthroughByReason[k] = v
+		}
+	}
+	if x := d.CrossNode; x != nil {
+		out.CrossNodeRedirected = x.RedirectedPackets
+		for k, v := range x.PassedPackets {
+			if v > 0 {
+				if out.CrossNodePassed == nil {
+					out.CrossNodePassed = map[string]uint64{}
+				}
+				out.CrossNodePassed[k] = v
+			}
 		}
 	}
 	for k, v := range d.PassthroughConnections {
@@ -260,9 +330,24 @@ func (r *runner) runMode(ctx context.Context, rep int, mode string) (err error) 
 	if ModeAgent(mode) {
 		settings := ModeAgentSettings(mode)
 		settings.ObserveReads = settings.Observe && !r.opts.NoObserveReads
-		agent, err = r.start(r.env.CgroupPath(), r.opts.PinDir, settings)
-		if err != nil {
-			return fmt.Errorf("start meshwarp agent for %s: %w", mode, err)
+		targets := r.env.AgentTargets()
+		pins := AgentPinDirs(r.opts.PinDir, len(targets))
+		var agents nodeAgents
+		for i, tg := range targets {
+			s := settings
+			s.CrossNodeNetns = tg.NodeNetns
+			a, err := r.start(tg.Cgroup, pins[i], s)
+			if err != nil {
+				if uerr := agents.Uninstall(); uerr != nil {
+					err = errors.Join(err, uerr)
+				}
+				return fmt.Errorf("start meshwarp agent for %s: %w", mode, err)
+			}
+			agents = append(agents, a)
+		}
+		agent = agents
+		if len(agents) == 1 {
+			agent = agents[0]
 		}
 		// Always uninstall, also on error and interruption, before the
 		// next mode opens its connections.
@@ -667,6 +752,7 @@ func (r *runner) config() Config {
 		Interleaving:          "per repeat, every mode in turn (A B C D A B C D ...); all workloads of a mode run while its agent is attached; the unix floor runs once per repeat",
 		CPUAccounting:         "usage_usec of the lab cgroup (apps, sidecars, load generator; BPF programs run in their context) over each run; unix: the worker process's own rusage",
 		PinDir:                o.PinDir,
+		Nodes:                 o.Nodes,
 		SidecarUID:            SidecarUID,
 		LatencyDefinitionQperf: "qperf and unix latency is qperf's tcp_lat: one way, half a round trip; " +
 			"their qps is round trips per second; http/tcp latency is fortio's request round trip",

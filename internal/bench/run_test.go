@@ -41,12 +41,13 @@ func (e *loopEnv) record(s string) {
 	defer e.mu.Unlock()
 	e.calls = append(e.calls, s)
 }
-func (e *loopEnv) ServerIP() netip.Addr     { return netip.MustParseAddr("127.0.0.1") }
-func (e *loopEnv) HTTPPort() int            { return e.httpPort }
-func (e *loopEnv) TCPEchoPort() int         { return e.tcpPort }
-func (e *loopEnv) QperfPorts() (int, int)   { return e.qperf, 0 }
-func (e *loopEnv) CgroupPath() string       { return e.cgroup }
-func (e *loopEnv) SetCapture(on bool) error { e.record(fmt.Sprintf("capture=%v", on)); return nil }
+func (e *loopEnv) ServerIP() netip.Addr        { return netip.MustParseAddr("127.0.0.1") }
+func (e *loopEnv) HTTPPort() int               { return e.httpPort }
+func (e *loopEnv) TCPEchoPort() int            { return e.tcpPort }
+func (e *loopEnv) QperfPorts() (int, int)      { return e.qperf, 0 }
+func (e *loopEnv) CgroupPath() string          { return e.cgroup }
+func (e *loopEnv) AgentTargets() []AgentTarget { return []AgentTarget{{Cgroup: e.cgroup}} }
+func (e *loopEnv) SetCapture(on bool) error    { e.record(fmt.Sprintf("capture=%v", on)); return nil }
 func (e *loopEnv) RestartSidecars(context.Context) error {
 	e.record("restart-sidecars")
 	return nil

@@ -37,6 +37,9 @@ func (r *Report) WriteTable(w io.Writer) error {
 	} else {
 		fmt.Fprintln(w, "one repeat (no spread: use --repeat 3 for medians); ratios: latency <1 is better; qps, bandwidth >1 is better")
 	}
+	if r.Config.Nodes > 1 {
+		fmt.Fprintf(w, "across %d nodes: client and server pods on different nodes, one agent per node with cross-node forwarding\n", r.Config.Nodes)
+	}
 	for _, t := range r.Tables() {
 		fmt.Fprintf(w, "\n%s\n", t.Title)
 		for _, n := range t.Notes {

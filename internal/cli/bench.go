@@ -36,6 +36,7 @@ type benchFlags struct {
 	htmlPath      string
 	keepLab       bool
 	pinDir        string
+	nodes         int
 }
 
 func newBenchCommand(g *globalOptions) *cobra.Command {
@@ -59,10 +60,17 @@ repeated, and reports medians, spread and per-repeat ratios:
 The load generator runs inside the client pod and the lab cgroup; CPU is the
 lab cgroup's (apps, sidecars, load generator) per 1,000 requests. If no lab is
 up, bench brings one up and takes it down at the end (unless --keep-lab); a lab
-that is already up is used and left as it was. Needs root.`,
+that is already up is used and left as it was. Needs root.
+
+--nodes 2 measures across nodes: the lab gets two node namespaces joined by a
+wire, the client pod on one and the server pod on the other, and every agent
+mode runs one agent per node (on that node's cgroup, as a DaemonSet would) with
+cross-node forwarding on (run --cross-node): the sidecar-to-sidecar hop and
+direct pod-to-pod traffic cross the nodes; app-to-sidecar hops stay on a node.`,
 		Example: `  meshwarp bench --quick --html report.html
   meshwarp bench --repeat 3 --duration 10s --json bench.json --html bench.html
-  meshwarp bench --modes sidecar,sidecar+meshwarp --workloads http,tcp`,
+  meshwarp bench --modes sidecar,sidecar+meshwarp --workloads http,tcp
+  meshwarp bench --nodes 2 --repeat 3 --workloads qperf,http,tcp`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return runBench(cmd, g, f)
@@ -85,7 +93,8 @@ that is already up is used and left as it was. Needs root.`,
 	fl.StringVar(&f.jsonPath, "json", "", "write the JSON report (docs/bench-schema.json) to `FILE`")
 	fl.StringVar(&f.htmlPath, "html", "", "write the self-contained HTML report to `FILE`")
 	fl.BoolVar(&f.keepLab, "keep-lab", false, "keep a lab that bench brought up itself")
-	fl.StringVar(&f.pinDir, "pin-dir", bench.DefaultPinDir, "where the bench's agent pins its maps (removed after each mode)")
+	fl.StringVar(&f.pinDir, "pin-dir", bench.DefaultPinDir, "where the bench's agent pins its maps (removed after each mode; with --nodes 2 the second node's agent uses DIR-node1)")
+	fl.IntVar(&f.nodes, "nodes", 1, "lab nodes: 2 puts the client and the server pods on different nodes, with one agent per node and cross-node forwarding")
 	return cmd
 }
 
@@ -116,6 +125,7 @@ func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
 	opts.Connections = f.connections
 	opts.KeepLab = f.keepLab
 	opts.PinDir = f.pinDir
+	opts.Nodes = f.nodes
 	opts.QperfLoopback = f.qperfLoopback
 	opts.QperfUnpaired = f.qperfUnpaired
 	opts.NoBPFStats = !f.bpfStats
@@ -153,14 +163,16 @@ func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
 
 	ctx := cmd.Context()
 	stderr := cmd.ErrOrStderr()
-	session, err := bench.OpenLab(ctx, opts.KeepLab, logger, stderr)
+	session, err := bench.OpenLab(ctx, opts.KeepLab, opts.Nodes, logger, stderr)
 	if err != nil {
 		return withExit(ExitNotReady, err)
 	}
 	rep, runErr := bench.Run(ctx, opts, session.Env(), bench.StartAccel(logger), stderr)
 	closeErr := session.Close()
-	if bench.PinDirLeft(opts.PinDir) {
-		closeErr = errors.Join(closeErr, fmt.Errorf("agent pins left in %s: run `meshwarp cleanup --pin-dir %s`", opts.PinDir, opts.PinDir))
+	for _, dir := range bench.AgentPinDirs(opts.PinDir, opts.Nodes) {
+		if bench.PinDirLeft(dir) {
+			closeErr = errors.Join(closeErr, fmt.Errorf("agent pins left in %s: run `meshwarp cleanup --pin-dir %s`", dir, dir))
+		}
 	}
 	if runErr != nil {
 		return errors.Join(runErr, closeErr)
