@@ -308,9 +308,14 @@ static __always_inline enum mw_xn_reason fib_reason(long rc)
 
 /*
  * forward_headers: what the kernel's forwarding does to the headers: TTL or
- * hop limit down by one (with the IPv4 checksum updated as ip_decrease_ttl
- * does) and, with mac set, the new Ethernet addresses. Called after the
- * last helper that may move packet data.
+ * hop limit down by one and, with dmac set, the new Ethernet addresses.
+ * IPv4: the checksum moves by as much as the TTL (ip_decrease_ttl), so the
+ * packet's one's complement sum, and a CHECKSUM_COMPLETE skb->csum, stay
+ * right. IPv6 has no header checksum: the hop limit is stored with
+ * BPF_F_RECOMPUTE_CSUM so that a CHECKSUM_COMPLETE skb->csum (a NIC's)
+ * follows it (the kernel's forwarding drops COMPLETE instead; the receiver
+ * would otherwise reject the TCP checksum). The Ethernet header is outside
+ * skb->csum. Called after the last helper that may move packet data.
  */
 static __always_inline int forward_headers(struct __sk_buff *skb, __u16 proto, const __u8 *dmac, const __u8 *smac)
 {
@@ -331,7 +336,14 @@ static __always_inline int forward_headers(struct __sk_buff *skb, __u16 proto, c
 		struct ipv6hdr *ip6 = (void *)(eth + 1);
 		if ((void *)(ip6 + 1) > end)
 			return -1;
-		ip6->hop_limit--;
+		__u8 hl = ip6->hop_limit - 1;
+		if (bpf_skb_store_bytes(skb, ETH_HLEN + __builtin_offsetof(struct ipv6hdr, hop_limit), &hl, 1, BPF_F_RECOMPUTE_CSUM))
+			return -1;
+		data = SKB_PTR(skb, data);
+		end = SKB_PTR(skb, data_end);
+		eth = data;
+		if ((void *)(eth + 1) > end)
+			return -1;
 	}
 	if (dmac) {
 		__builtin_memcpy(eth->h_dest, dmac, 6);

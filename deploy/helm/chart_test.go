@@ -123,8 +123,9 @@ func TestChartRendersAndDecodes(t *testing.T) {
 			if agent.SecurityContext.Privileged == nil || *agent.SecurityContext.Privileged || len(caps.Drop) != 1 || caps.Drop[0] != "ALL" {
 				t.Errorf("the agent must drop ALL and not be privileged: %+v", agent.SecurityContext)
 			}
-			if ds.Spec.Template.Spec.HostNetwork {
-				t.Error("the agent does not need the host network")
+			// Only cross-node forwarding (every-option.yaml) needs the node's network namespace.
+			if hostNet := ds.Spec.Template.Spec.HostNetwork; hostNet != (file != "") {
+				t.Errorf("hostNetwork %v with values %q: want it only with crossNode.enabled", hostNet, file)
 			}
 			policy := objs["ConfigMap"].(*corev1.ConfigMap).Data["policy.yaml"]
 			f := filepath.Join(t.TempDir(), "policy.yaml")
@@ -183,6 +184,11 @@ func TestChartArgsParseWithTheAgent(t *testing.T) {
 		if file != "" && keep != "" {
 			t.Errorf("keepDataPathOnUpdate=false still keeps: %q", keep)
 		}
+		crossNode, _ := cmd.Flags().GetBool("cross-node")
+		uplinks, _ := cmd.Flags().GetStringSlice("uplinks")
+		if crossNode != (file != "") || (file != "" && !slices.Equal(uplinks, []string{"eth0", "eth1"})) {
+			t.Errorf("%s: --cross-node %v --uplinks %v, want them from crossNode values", file, crossNode, uplinks)
+		}
 		cfg, _ := cmd.Flags().GetString("config")
 		if mounted := agent.VolumeMounts; !slices.ContainsFunc(mounted, func(m corev1.VolumeMount) bool { return strings.HasPrefix(cfg, m.MountPath+"/") }) {
 			t.Errorf("%s: --config %s is not under a mounted volume", file, cfg)
@@ -216,6 +222,8 @@ func TestChartSchemaRejectsBadValues(t *testing.T) {
 		{"policy: {includeCIDRs: [\"not a cidr\"]}", "includeCIDRs"},
 		{"metrics: {port: 0}", "port"},
 		{"keepDataPathOnUpdate: \"yes\"", "keepDataPathOnUpdate"},
+		{"crossNode: {enabled: \"yes\"}", "enabled"},
+		{"crossNode: {uplinks: [\"eth0,eth1\"]}", "uplinks"},
 	} {
 		var vals map[string]any
 		if err := yaml.Unmarshal([]byte(tc.yaml), &vals); err != nil {

@@ -78,8 +78,8 @@ forwarding does. ARP, fragments, IP options, packets larger than the MTU,
 expiring TTLs and unknown destinations take the normal path (counted by
 reason in ` + "`meshwarp status`" + `). A family is redirected only while the
 node has no netfilter rule or policy where forwarded packets would meet one
-(PREROUTING, FORWARD, POSTROUTING, netdev; iptables, ip6tables and nft are
-read every second) and no IPv4 rp_filter: such a rule keeps every packet of
+(PREROUTING, FORWARD, POSTROUTING, bridge, netdev; nf_tables and legacy
+iptables are read every second) and no IPv4 rp_filter: such a rule keeps every packet of
 that family on the normal path. The pods' own rules (Istio's capture) see
 every packet as before. The agent's check expires 3s after it stops: then
 packets take the normal path until an agent checks again.

@@ -9,10 +9,13 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http/httptest"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -21,6 +24,7 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/crossnode"
+	"github.com/meshwarp/meshwarp/internal/metrics"
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
@@ -278,6 +282,35 @@ func TestPrivilegedCrossNode(t *testing.T) {
 					}
 				}
 				t.Logf("passed: %v", after.PassedPackets)
+
+				// The same counters as users read them: /metrics and `meshwarp status`.
+				srv := httptest.NewServer(metrics.Handler(func() (accel.Stats, error) { return accel.ReadPinnedStats(serverPins) }, nil))
+				defer srv.Close()
+				resp, err := srv.Client().Get(srv.URL + "/metrics")
+				if err != nil {
+					t.Fatal(err)
+				}
+				body, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				for _, re := range []string{
+					`meshwarp_crossnode_redirected_packets_total\{direction="to_pod"\} [1-9]`,
+					`meshwarp_crossnode_redirected_bytes_total\{direction="to_wire"\} [1-9]`,
+					`meshwarp_crossnode_passed_packets_total\{reason="netfilter"\} 0`,
+					fmt.Sprintf(`meshwarp_crossnode_redirect_enabled\{family="ipv6",netns_cookie="%d"\} 1`, serverCookie),
+				} {
+					if !regexp.MustCompile(re).Match(body) {
+						t.Errorf("/metrics lacks %s", re)
+					}
+				}
+				out, err := exec.Command(testutil.MeshwarpBinary(t), "status", "--pin-dir", serverPins).CombinedOutput()
+				if err != nil {
+					t.Fatalf("meshwarp status: %v\n%s", err, out)
+				}
+				for _, want := range []string{"cross-node forwarding (2 devices)", "redirected to_pod", fmt.Sprintf("node netns cookie %d", serverCookie), "ipv4 on, ipv6 on"} {
+					if !strings.Contains(string(out), want) {
+						t.Errorf("meshwarp status lacks %q:\n%s", want, out)
+					}
+				}
 			})
 
 			t.Run("an ip6tables FORWARD drop on the server's node is obeyed", func(t *testing.T) {

@@ -31,6 +31,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - --unpaired-timeout={{ .Values.unpairedTimeout }}
 - --observe={{ .Values.observe }}
 - --accelerate={{ .Values.accelerate }}
+{{- if (.Values.crossNode).enabled }}
+- --cross-node
+{{- with .Values.crossNode.uplinks }}
+- --uplinks={{ join "," . }}
+{{- end }}
+{{- end }}
 - --config=/etc/meshwarp/policy.yaml
 - --metrics-addr=0.0.0.0:{{ .Values.metrics.port }}
 {{- if .Values.keepDataPathOnUpdate }}
