@@ -360,39 +360,51 @@ static __always_inline void pull_headers(struct __sk_buff *skb)
 		bpf_skb_pull_data(skb, need);
 }
 
-SEC("tcx/ingress")
-int mw_xn_from_pod(struct __sk_buff *skb)
+/*
+ * admit: what both directions check before routing. The device is ours and
+ * of the kind this program serves; the frame is addressed to the node (its
+ * MAC on that device); the packet is plain IP the kernel would forward; the
+ * node's check allows its family. A pod port also learns which port the
+ * frame's source MAC sends from, as the bridge does.
+ */
+static __always_inline enum mw_xn_reason admit(struct __sk_buff *skb, __u32 kind, __u64 *cookie,
+					       struct mw_xn_dev **dev, struct pkt *p, struct bpf_fib_lookup *fib)
 {
-	__u64 cookie = dev_netns_cookie(skb);
-	struct mw_xn_dev_key dk = { .netns_cookie = cookie, .ifindex = skb->ifindex };
-	struct mw_xn_dev *dev = bpf_map_lookup_elem(&mw_xn_devs, &dk);
-	struct bpf_fib_lookup fib = {};
-	struct pkt p = {};
-	enum mw_xn_reason r;
-
-	if (!dev || dev->kind != MW_XN_KIND_POD)
-		return pass(MW_XN_REASON_NOT_CROSS_NODE);
+	*cookie = dev_netns_cookie(skb);
+	struct mw_xn_dev_key dk = { .netns_cookie = *cookie, .ifindex = skb->ifindex };
+	*dev = bpf_map_lookup_elem(&mw_xn_devs, &dk);
+	if (!*dev || (*dev)->kind != kind)
+		return MW_XN_REASON_NOT_CROSS_NODE;
 	pull_headers(skb);
 	void *data = SKB_PTR(skb, data), *end = SKB_PTR(skb, data_end);
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > end)
-		return pass(MW_XN_REASON_MALFORMED);
-
-	/* Learn which port a pod's MAC sends from, as the bridge does. */
-	if (!(eth->h_source[0] & 1)) {
-		struct mw_xn_mac_key mk = { .netns_cookie = cookie };
+		return MW_XN_REASON_MALFORMED;
+	if (kind == MW_XN_KIND_POD && !(eth->h_source[0] & 1)) {
+		struct mw_xn_mac_key mk = { .netns_cookie = *cookie };
 		__builtin_memcpy(mk.mac, eth->h_source, 6);
 		__u32 *port = bpf_map_lookup_elem(&mw_xn_macs, &mk);
 		__u32 ifindex = skb->ifindex;
 		if (!port || *port != ifindex)
 			bpf_map_update_elem(&mw_xn_macs, &mk, &ifindex, BPF_ANY);
 	}
-	if (!mac_eq(eth->h_dest, dev->mac))
-		return pass(MW_XN_REASON_NOT_ROUTED);
-	r = check_ip(skb, &p, &fib);
+	if (!mac_eq(eth->h_dest, (*dev)->mac))
+		return MW_XN_REASON_NOT_ROUTED;
+	enum mw_xn_reason r = check_ip(skb, p, fib);
 	if (r != MW_XN_REASON_NONE)
-		return pass(r);
-	r = node_check(cookie, p.proto);
+		return r;
+	return node_check(*cookie, p->proto);
+}
+
+SEC("tcx/ingress")
+int mw_xn_from_pod(struct __sk_buff *skb)
+{
+	struct bpf_fib_lookup fib = {};
+	struct mw_xn_dev *dev;
+	struct pkt p = {};
+	__u64 cookie;
+
+	enum mw_xn_reason r = admit(skb, MW_XN_KIND_POD, &cookie, &dev, &p, &fib);
 	if (r != MW_XN_REASON_NONE)
 		return pass(r);
 
@@ -423,26 +435,12 @@ int mw_xn_from_pod(struct __sk_buff *skb)
 SEC("tcx/ingress")
 int mw_xn_from_wire(struct __sk_buff *skb)
 {
-	__u64 cookie = dev_netns_cookie(skb);
-	struct mw_xn_dev_key dk = { .netns_cookie = cookie, .ifindex = skb->ifindex };
-	struct mw_xn_dev *dev = bpf_map_lookup_elem(&mw_xn_devs, &dk);
 	struct bpf_fib_lookup fib = {};
+	struct mw_xn_dev *dev;
 	struct pkt p = {};
-	enum mw_xn_reason r;
+	__u64 cookie;
 
-	if (!dev || dev->kind != MW_XN_KIND_UPLINK)
-		return pass(MW_XN_REASON_NOT_CROSS_NODE);
-	pull_headers(skb);
-	void *data = SKB_PTR(skb, data), *end = SKB_PTR(skb, data_end);
-	struct ethhdr *eth = data;
-	if ((void *)(eth + 1) > end)
-		return pass(MW_XN_REASON_MALFORMED);
-	if (!mac_eq(eth->h_dest, dev->mac))
-		return pass(MW_XN_REASON_NOT_ROUTED);
-	r = check_ip(skb, &p, &fib);
-	if (r != MW_XN_REASON_NONE)
-		return pass(r);
-	r = node_check(cookie, p.proto);
+	enum mw_xn_reason r = admit(skb, MW_XN_KIND_UPLINK, &cookie, &dev, &p, &fib);
 	if (r != MW_XN_REASON_NONE)
 		return pass(r);
 

@@ -6,11 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
-	"strings"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/btf"
 
+	"github.com/meshwarp/meshwarp/internal/btfenum"
 	"github.com/meshwarp/meshwarp/internal/crossnode"
 )
 
@@ -130,25 +129,13 @@ var (
 // prefix, indexed by value; the trailing *_MAX sentinel is left out.
 func mustEnumNames(enum, prefix string) []string {
 	spec, err := loadAccel()
-	if err != nil {
-		panic(fmt.Sprintf("embedded accel object: %v", err))
-	}
-	var e *btf.Enum
-	if err := spec.Types.TypeByName(enum, &e); err != nil {
-		panic(fmt.Sprintf("enum %s not in the accel object's BTF: %v", enum, err))
-	}
-	var names []string
-	for _, v := range e.Values {
-		name := strings.TrimPrefix(v.Name, prefix)
-		if name == "MAX" {
-			continue
+	if err == nil {
+		var names []string
+		if names, err = btfenum.Names(spec, enum, prefix); err == nil {
+			return names
 		}
-		for uint64(len(names)) <= v.Value {
-			names = append(names, "")
-		}
-		names[v.Value] = strings.ToLower(name)
 	}
-	return names
+	panic(fmt.Sprintf("embedded accel object: %v", err))
 }
 
 // ReasonNames lists every passthrough reason (for metrics and docs); "none" is left out.

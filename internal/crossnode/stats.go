@@ -12,8 +12,9 @@ import (
 	"strings"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/btf"
 	"golang.org/x/sys/unix"
+
+	"github.com/meshwarp/meshwarp/internal/btfenum"
 )
 
 // Stats are the cumulative counters of cross-node forwarding, read from the
@@ -62,25 +63,13 @@ func DirectionNames() []string { return append([]string(nil), dirNames...) }
 
 func mustEnumNames(enum, prefix string) []string {
 	spec, err := loadCrossnode()
-	if err != nil {
-		panic(fmt.Sprintf("embedded cross-node object: %v", err))
-	}
-	var e *btf.Enum
-	if err := spec.Types.TypeByName(enum, &e); err != nil {
-		panic(fmt.Sprintf("enum %s not in the cross-node object's BTF: %v", enum, err))
-	}
-	var names []string
-	for _, v := range e.Values {
-		name := strings.TrimPrefix(v.Name, prefix)
-		if name == "MAX" {
-			continue
+	if err == nil {
+		var names []string
+		if names, err = btfenum.Names(spec, enum, prefix); err == nil {
+			return names
 		}
-		for uint64(len(names)) <= v.Value {
-			names = append(names, "")
-		}
-		names[v.Value] = strings.ToLower(name)
 	}
-	return names
+	panic(fmt.Sprintf("embedded cross-node object: %v", err))
 }
 
 // ErrNotInstalled: no cross-node forwarding is pinned at the directory.
