@@ -110,10 +110,12 @@ func Start(cfg Config, logger *slog.Logger) (_ *Agent, err error) {
 	seen := map[uint64]string{}
 	for _, nc := range cfg.Nodes {
 		n, err := startNode(ctx, a, nc)
+		// Kept also on error: a first scan that failed half-way may have
+		// attached some devices, which the deferred cleanup detaches.
+		a.nodes = append(a.nodes, n)
 		if err != nil {
 			return nil, err
 		}
-		a.nodes = append(a.nodes, n)
 		if other, dup := seen[n.cookie]; dup {
 			return nil, fmt.Errorf("%w: %s and %s are the same network namespace", ErrBadConfig, other, n.name)
 		}
