@@ -175,13 +175,13 @@ func Serve(ctx context.Context, addr string, read StatsFunc, flows FlowsFunc, lo
 		return nil, fmt.Errorf("listen for metrics on %s: %w (pass --metrics-addr with a free port, or \"\" to disable)", addr, err)
 	}
 	srv := &http.Server{Handler: Handler(read, flows), ReadHeaderTimeout: 5 * time.Second}
+	// done carries only a failure: a shutdown on ctx is not one, and must not
+	// race the caller's own <-ctx.Done() as a nil "error".
 	done := make(chan error, 1)
 	go func() {
-		err := srv.Serve(ln)
-		if errors.Is(err, http.ErrServerClosed) {
-			err = nil
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			done <- err
 		}
-		done <- err
 	}()
 	go func() {
 		<-ctx.Done()
