@@ -188,7 +188,9 @@ type Agent struct {
 	// keeps running.
 	watches []link.Link
 	// xn is cross-node forwarding (Config.CrossNode).
-	xn     *crossnode.Agent
+	xn *crossnode.Agent
+	// lock holds the pin directory while this process runs (lock.go).
+	lock   *os.File
 	closed bool
 	// Adopted is true when Start found pinned state from an earlier agent and took it over.
 	Adopted bool
@@ -242,6 +244,9 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 		if createdDir {
 			os.Remove(cfg.PinDir)
 		}
+		if a.lock != nil {
+			a.lock.Close()
+		}
 	}()
 
 	preexisting := pinnedNames(cfg.PinDir)
@@ -249,6 +254,10 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 
 	// Before anything is loaded, pinned or attached: refuse another build's maps.
 	if err := checkPinnedLayout(spec, cfg.PinDir); err != nil {
+		return nil, err
+	}
+	// Then nothing changes while another live agent holds the directory.
+	if a.lock, err = lockPinDir(cfg.PinDir); err != nil {
 		return nil, err
 	}
 	spec.Maps["mw_sock_hash"].MaxEntries = cfg.SockhashCapacity
@@ -546,6 +555,9 @@ func (a *Agent) Close() error {
 		errs = append(errs, a.skmsg.Close())
 	}
 	errs = append(errs, a.objs.Close())
+	if a.lock != nil {
+		errs = append(errs, a.lock.Close())
+	}
 	return errors.Join(errs...)
 }
 
@@ -587,8 +599,9 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 		}
 	}
 	errs = append(errs, unpinMaps(a.cfg.PinDir))
-	errs = append(errs, a.Close())
+	// The directory goes while this agent still holds it (Close unlocks).
 	errs = append(errs, removePinDir(a.cfg.PinDir))
+	errs = append(errs, a.Close())
 	a.logger.Info("acceleration uninstalled", "pin_dir", a.cfg.PinDir, "open_accelerated_sockets", openSockets)
 	return openSockets, errors.Join(errs...)
 }
@@ -619,7 +632,7 @@ type CleanupResult struct {
 }
 
 // Cleanup removes whatever an agent pinned at pinDir (detaching its
-// programs), without a running agent. Open accelerated connections keep
+// programs); it refuses while an agent runs there. Open accelerated connections keep
 // working until they close. Only names meshwarp pins are removed; a missing
 // pin directory is not an error.
 func Cleanup(pinDir string) (CleanupResult, error) {
@@ -629,6 +642,14 @@ func Cleanup(pinDir string) (CleanupResult, error) {
 	}
 	if _, err := os.Stat(pinDir); errors.Is(err, os.ErrNotExist) {
 		return res, nil
+	}
+	// A live agent's open links keep its programs attached whatever is
+	// unpinned; stopping it is what detaches them.
+	if busy, pid := pinDirLocked(pinDir); busy {
+		if pid == "" {
+			pid = "unknown"
+		}
+		return res, fmt.Errorf("%w: %s (pid %s): stop it instead (SIGTERM; it uninstalls on exit); cleanup removes what a killed agent or --keep-on-exit left", ErrPinDirBusy, pinDir, pid)
 	}
 	if st, err := ReadPinnedStats(pinDir); err == nil {
 		res.OpenAcceleratedSockets = st.AcceleratedSockets

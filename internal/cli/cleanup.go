@@ -17,8 +17,11 @@ func newCleanupCommand(g *globalOptions) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "cleanup",
 		Short: "Detach and unpin everything meshwarp attached (safe under load)",
-		Long: `cleanup detaches the sock_ops and sk_msg programs pinned under --pin-dir and
-removes the pins, whether or not an agent runs. It never removes a socket from
+		Long: `cleanup detaches the programs pinned under --pin-dir and removes the pins
+that a killed agent, or one stopped with --keep-on-exit, left. While an agent
+runs there it refuses (exit 1, naming the agent's pid): the agent's own links
+keep its programs attached, so stop the agent instead (SIGTERM uninstalls).
+It never removes a socket from
 the SOCKHASH (that could drop bytes queued for it): connections accelerated
 before cleanup keep working until they close, then the kernel frees the rest.
 New connections use the normal TCP stack at once. Only meshwarp's own pins are

@@ -13,6 +13,8 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/bench"
 	"github.com/meshwarp/meshwarp/internal/lab"
 )
 
@@ -244,9 +246,19 @@ func writeLabStatus(w io.Writer, st lab.Status) error {
 	for _, n := range st.Nodes {
 		fmt.Fprintf(w, "node: netns %s, bridge %s %s %s", n.Netns, n.Bridge, n.IP, n.IP6)
 		if n.Wire != "" {
-			fmt.Fprintf(w, ", wire %s", n.Wire)
+			fmt.Fprintf(w, ", wire %s, cgroup %s", n.Wire, n.Cgroup)
 		}
 		fmt.Fprintln(w)
+	}
+	if len(st.Nodes) > 1 {
+		// One agent per node, as on separate machines: an agent over the lab's
+		// whole cgroup would pair sockets across the nodes (they share a kernel).
+		fmt.Fprintln(w, "agents (one per node, each in its own shell):")
+		pins := bench.AgentPinDirs(accel.DefaultPinDir, len(st.Nodes))
+		for i, n := range st.Nodes {
+			fmt.Fprintf(w, "  meshwarp run --cross-node --node-netns /run/netns/%s --cgroup %s --pin-dir %s --metrics-addr 127.0.0.1:%d\n",
+				n.Netns, n.Cgroup, pins[i], defaultMetricsPort+i)
+		}
 	}
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)

@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -347,6 +348,27 @@ func TestPrivilegedRefusal(t *testing.T) {
 		}
 		if out := sockOpsOn(t, cg); !strings.Contains(out, "sock_ops") {
 			t.Errorf("running agent: no sock_ops program on %s:\n%s", cg, out)
+		}
+		// One agent per pin directory: a second run, and a cleanup, are
+		// refused while this one runs, naming it; neither touches its pins.
+		pid := strconv.Itoa(cmd.Process.Pid)
+		for _, second := range [][]string{
+			{"run", "--cgroup", cg, "--pin-dir", pinDir, "--metrics-addr", "127.0.0.1:0"},
+			{"cleanup", "--pin-dir", pinDir},
+		} {
+			out, err := exec.Command(bin, second...).CombinedOutput()
+			var ee *exec.ExitError
+			if !errors.As(err, &ee) || ee.ExitCode() != ExitFailure {
+				t.Errorf("meshwarp %s with an agent running there: %v, want exit %d\n%s", second[0], err, ExitFailure, out)
+			}
+			for _, w := range []string{"another meshwarp agent", pinDir, "pid " + pid} {
+				if !strings.Contains(string(out), w) {
+					t.Errorf("meshwarp %s with an agent running there: output does not mention %q:\n%s", second[0], w, out)
+				}
+			}
+			if _, err := os.Stat(link); err != nil {
+				t.Errorf("after a refused %s: %v", second[0], err)
+			}
 		}
 		if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 			t.Fatal(err)

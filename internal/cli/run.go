@@ -46,6 +46,9 @@ type runOptions struct {
 // changes under the agent (the kubelet swaps the file), nobody sends SIGHUP.
 const configPollInterval = 2 * time.Second
 
+// defaultMetricsPort is run's --metrics-addr port on 127.0.0.1.
+const defaultMetricsPort = 9464
+
 func newRunCommand(g *globalOptions) *cobra.Command {
 	o := &runOptions{}
 	cmd := &cobra.Command{
@@ -117,8 +120,8 @@ connection; exclude them up front so that no connection is affected.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&o.cgroup, "cgroup", "", "cgroup v2 directory to accelerate (default: the cgroup v2 root from /proc/mounts)")
-	f.StringVar(&o.pinDir, "pin-dir", accel.DefaultPinDir, "bpffs directory for pinned maps and links")
-	f.StringVar(&o.metricsAddr, "metrics-addr", "127.0.0.1:9464", `address for /metrics and /healthz ("" disables)`)
+	f.StringVar(&o.pinDir, "pin-dir", accel.DefaultPinDir, "bpffs directory for pinned maps and links; one running agent per directory")
+	f.StringVar(&o.metricsAddr, "metrics-addr", fmt.Sprintf("127.0.0.1:%d", defaultMetricsPort), `address for /metrics and /healthz ("" disables)`)
 	f.Uint32Var(&o.sidecarUID, "sidecar-uid", accel.DefaultSidecarUID, "uid of the sidecar proxy (names the sidecar -> app hop)")
 	f.Uint32Var(&o.capacity, "capacity", accel.DefaultCapacity, "maximum accelerated sockets; beyond it connections use the normal stack")
 	f.DurationVar(&o.unpaired, "unpaired-timeout", accel.DefaultUnpairedTimeout,

@@ -81,7 +81,8 @@ attached). Counters are cumulative across agent restarts.
   cross_node              with run --cross-node: packets redirected to_wire (local pod to
                           another node) and to_pod (another node into a local pod), with
                           bytes; packets passed to the normal path by reason; per node
-                          namespace (netns cookie) whether the agent's check is current
+                          namespace (netns cookie; named "host" or as in /run/netns when
+                          found) whether the agent's check is current
                           (verified) and which families it redirects (netfilter rules in
                           the node's forwarding hooks, or IPv4 rp_filter, turn a family off)`,
 		Args: cobra.NoArgs,
@@ -92,6 +93,9 @@ attached). Counters are cumulative across agent restarts.
 			}
 			if err != nil {
 				return err
+			}
+			if s.CrossNode != nil {
+				s.CrossNode.NameNodes()
 			}
 			if asJSON {
 				enc := json.NewEncoder(cmd.OutOrStdout())
@@ -200,7 +204,11 @@ func printCrossNode(w io.Writer, x *crossnode.Stats) {
 		if !n.Verified {
 			state = "not verified by a running agent: everything takes the normal path"
 		}
-		fmt.Fprintf(tw, "  node netns cookie %d\t%s; ipv4 %s, ipv6 %s\n", n.NetnsCookie, state, labOnOff(n.IPv4), labOnOff(n.IPv6))
+		name := fmt.Sprintf("netns cookie %d", n.NetnsCookie)
+		if n.Netns != "" {
+			name = fmt.Sprintf("%s (netns cookie %d)", n.Netns, n.NetnsCookie)
+		}
+		fmt.Fprintf(tw, "  node %s\t%s; ipv4 %s, ipv6 %s\n", name, state, labOnOff(n.IPv4), labOnOff(n.IPv6))
 	}
 	tw.Flush()
 }

@@ -20,6 +20,8 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/meshwarp/meshwarp/internal/netns"
 )
 
 // nodeLoop scans one node namespace. Everything it does runs on one OS
@@ -102,16 +104,9 @@ func (n *nodeLoop) enter() error {
 			return fmt.Errorf("%w: enter network namespace %s: %w", ErrBadConfig, n.cfg.Netns, err)
 		}
 	}
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(fd)
-	n.cookie, err = unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
-	if err != nil {
-		return fmt.Errorf("read the network namespace cookie (SO_NETNS_COOKIE, Linux >= 5.14): %w", err)
-	}
-	return nil
+	var err error
+	n.cookie, err = netns.CurrentCookie()
+	return err
 }
 
 // scan brings maps and attachments in line with the node's devices and

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/meshwarp/meshwarp/internal/btfenum"
+	"github.com/meshwarp/meshwarp/internal/netns"
 )
 
 // Stats are the cumulative counters of cross-node forwarding, read from the
@@ -39,6 +40,9 @@ type Stats struct {
 // NodeState is the agent's last check of one node, as the programs see it.
 type NodeState struct {
 	NetnsCookie uint64 `json:"netns_cookie"`
+	// Netns names the namespace ("host", or its name in /run/netns) when
+	// NameNodes found it.
+	Netns string `json:"netns,omitempty"`
 	// Verified: an agent checked the node within the last VerifiedFor.
 	// Without it nothing is redirected there.
 	Verified bool `json:"verified"`
@@ -136,6 +140,15 @@ func readNodes(path string) ([]NodeState, error) {
 	}
 	slices.SortFunc(out, func(a, b NodeState) int { return cmp.Compare(a.NetnsCookie, b.NetnsCookie) })
 	return out, nil
+}
+
+// NameNodes names the nodes' namespaces it can find (netns.Names). It
+// enters every named namespace, so status calls it, not every scrape.
+func (s *Stats) NameNodes() {
+	names := netns.Names()
+	for i := range s.Nodes {
+		s.Nodes[i].Netns = names[s.Nodes[i].NetnsCookie]
+	}
 }
 
 // Flags of mw_xn_node (MW_XN_NODE_V4, MW_XN_NODE_V6).

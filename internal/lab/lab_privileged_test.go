@@ -553,6 +553,11 @@ func TestPrivilegedTwoNodes(t *testing.T) {
 	if err != nil || !st.Healthy || len(st.Nodes) != 2 || st.Nodes[1].Netns != "meshwarp-node-1" || st.Pods[1].Node != "meshwarp-node-1" {
 		t.Fatalf("status: %+v, %v", st, err)
 	}
+	for i, n := range st.Nodes {
+		if n.Cgroup != l.NodeCgroup(i) || !strings.HasSuffix(n.Cgroup, fmt.Sprintf("/node-%d", i)) {
+			t.Errorf("status node %d: cgroup %q, want %q", i, n.Cgroup, l.NodeCgroup(i))
+		}
+	}
 	wireBytes := func(node Node) uint64 {
 		out, err := l.r.ip(ctx, "-n", node.Netns, "-j", "-s", "link", "show", "dev", WireName)
 		if err != nil {

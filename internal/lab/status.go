@@ -28,6 +28,7 @@ type NodeStatus struct {
 	IP     string `json:"ip"`             // the bridge's (the pods' gateway)
 	IP6    string `json:"ip6"`            // the bridge's IPv6 address
 	Wire   string `json:"wire,omitempty"` // the wire's address on this node (two nodes)
+	Cgroup string `json:"cgroup"`         // its pods' processes: attach this node's agent here
 }
 
 // PodStatus describes one pod.
@@ -63,8 +64,9 @@ func (l *Lab) Status() (Status, error) {
 		Cgroup:  l.cgroup,
 		RunDir:  RunDir,
 	}
-	for _, n := range l.nodes {
-		ns := NodeStatus{Netns: n.Netns, Exists: netnsExists(n.Netns), Bridge: BridgeName, IP: n.Bridge.String(), IP6: n.Bridge6.String()}
+	for i, n := range l.nodes {
+		ns := NodeStatus{Netns: n.Netns, Exists: netnsExists(n.Netns), Bridge: BridgeName, IP: n.Bridge.String(), IP6: n.Bridge6.String(),
+			Cgroup: l.NodeCgroup(i)}
 		if len(l.nodes) > 1 {
 			ns.Wire = n.Wire.String()
 		}

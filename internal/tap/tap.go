@@ -16,15 +16,14 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
-	"runtime"
 	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/ringbuf"
-	"golang.org/x/sys/unix"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/netns"
 )
 
 // Options say what to tap and where to write.
@@ -78,7 +77,7 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 	}
 	var netnsCookie uint64
 	if o.Netns != "" {
-		if netnsCookie, err = NetnsCookie(o.Netns); err != nil {
+		if netnsCookie, err = netns.Cookie(o.Netns); err != nil {
 			return res, err
 		}
 	}
@@ -269,36 +268,3 @@ func LinkProgram(pinDir string) (string, error) {
 
 // Spec is the tap object as built (bpf/tap/tap.bpf.c): what it needs from the kernel.
 func Spec() (*ebpf.CollectionSpec, error) { return loadTap() }
-
-// NetnsCookie returns the cookie of the network namespace at path (what
-// bpf_get_netns_cookie reports for its sockets).
-func NetnsCookie(path string) (uint64, error) {
-	ns, err := os.Open(path)
-	if err != nil {
-		return 0, fmt.Errorf("network namespace %s: %w", path, err)
-	}
-	defer ns.Close()
-	type result struct {
-		cookie uint64
-		err    error
-	}
-	ch := make(chan result, 1)
-	go func() {
-		// This thread changes namespace and is discarded afterwards.
-		runtime.LockOSThread()
-		if err := unix.Setns(int(ns.Fd()), unix.CLONE_NEWNET); err != nil {
-			ch <- result{err: fmt.Errorf("enter %s: %w", path, err)}
-			return
-		}
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM, 0)
-		if err != nil {
-			ch <- result{err: err}
-			return
-		}
-		defer unix.Close(fd)
-		c, err := unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
-		ch <- result{c, err}
-	}()
-	r := <-ch
-	return r.cookie, r.err
-}
