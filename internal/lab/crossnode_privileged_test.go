@@ -306,7 +306,7 @@ func TestPrivilegedCrossNode(t *testing.T) {
 				if err != nil {
 					t.Fatalf("meshwarp status: %v\n%s", err, out)
 				}
-				for _, want := range []string{"cross-node forwarding (2 devices)", "redirected to_pod", fmt.Sprintf("node netns cookie %d", serverCookie), "ipv4 on, ipv6 on"} {
+				for _, want := range []string{"cross-node forwarding (2 devices)", "redirected to_pod", fmt.Sprintf("node %s (netns cookie %d)", l.Nodes()[server.Node].Netns, serverCookie), "ipv4 on, ipv6 on"} {
 					if !strings.Contains(string(out), want) {
 						t.Errorf("meshwarp status lacks %q:\n%s", want, out)
 					}
