@@ -34,6 +34,7 @@
 #include "vmlinux.h"
 #include "bpf_helpers.h"
 #include "bpf_endian.h"
+#include "bpf_core_read.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -103,6 +104,12 @@ struct mw_xn_node {
 	__u32 flags;
 	__u32 pad;
 	__u64 valid_until_ns;
+	/*
+	 * The netfilter hook lists the agent's check was made against
+	 * (nf_hooks_ident, [0] IPv4, [1] IPv6): a packet that meets others
+	 * takes the normal path.
+	 */
+	__u32 hooks[2];
 };
 
 struct mw_xn_mac_key {
@@ -280,14 +287,61 @@ static __always_inline enum mw_xn_reason check_ip(struct __sk_buff *skb, struct 
 	return MW_XN_REASON_NOT_IP;
 }
 
-/* node_check: netfilter leaves this family to us in this node, as checked lately. */
-static __always_inline enum mw_xn_reason node_check(__u64 cookie, __u16 proto)
+static __always_inline __u64 mix(__u64 h, const void *p)
+{
+	return (h ^ (__u64)(long)p) * 0x9E3779B97F4A7C15ULL;
+}
+
+/*
+ * nf_hooks_ident: which netfilter hook lists a forwarded packet of the
+ * family meets in the device's namespace (the node): the family's
+ * PRE_ROUTING, FORWARD and POST_ROUTING, and the bridge family's. The kernel
+ * replaces a list whenever a table or base chain registers or unregisters
+ * there, so another identity than the agent checked means the node's
+ * netfilter changed since: the packet takes the normal path at once, not at
+ * the next check. (A rule added to a chain that already exists changes no
+ * list, nor does a netdev chain: the next check, at most a scan interval
+ * later, sees those.)
+ */
+static __always_inline __u32 nf_hooks_ident(struct __sk_buff *ctx, __u16 proto)
+{
+	struct sk_buff *skb = bpf_cast_to_kern_ctx(ctx);
+	struct net *net = skb->dev->nd_net.net;
+	struct nf_hook_entries *l3[5] = {}, *br[5] = {};
+	__u64 h = 0;
+
+	if (proto == ETH_P_IP)
+		bpf_probe_read_kernel(l3, sizeof(l3), &net->nf.hooks_ipv4);
+	else
+		bpf_probe_read_kernel(l3, sizeof(l3), &net->nf.hooks_ipv6);
+	h = mix(h, l3[NF_INET_PRE_ROUTING]);
+	h = mix(h, l3[NF_INET_FORWARD]);
+	h = mix(h, l3[NF_INET_POST_ROUTING]);
+	if (bpf_core_field_exists(net->nf.hooks_bridge)) {
+		bpf_probe_read_kernel(br, sizeof(br), &net->nf.hooks_bridge);
+		for (int i = 0; i < 5; i++)
+			h = mix(h, br[i]);
+	}
+	return (__u32)(h ^ (h >> 32));
+}
+
+/*
+ * node_check: netfilter leaves this family to us in this node, as checked
+ * lately, and its hook lists are the ones checked.
+ */
+static __always_inline enum mw_xn_reason node_check(struct __sk_buff *skb, __u64 cookie, __u16 proto)
 {
 	struct mw_xn_node *n = bpf_map_lookup_elem(&mw_xn_nodes, &cookie);
 	if (!n || bpf_ktime_get_ns() > n->valid_until_ns)
 		return MW_XN_REASON_UNVERIFIED;
-	__u32 bit = proto == ETH_P_IP ? MW_XN_NODE_V4 : MW_XN_NODE_V6;
-	return (n->flags & bit) ? MW_XN_REASON_NONE : MW_XN_REASON_NETFILTER;
+	__u32 bit = MW_XN_NODE_V4, checked = n->hooks[0];
+	if (proto != ETH_P_IP) {
+		bit = MW_XN_NODE_V6;
+		checked = n->hooks[1];
+	}
+	if (!(n->flags & bit) || nf_hooks_ident(skb, proto) != checked)
+		return MW_XN_REASON_NETFILTER;
+	return MW_XN_REASON_NONE;
 }
 
 static __always_inline enum mw_xn_reason fib_reason(long rc)
@@ -393,7 +447,7 @@ static __always_inline enum mw_xn_reason admit(struct __sk_buff *skb, __u32 kind
 	enum mw_xn_reason r = check_ip(skb, p, fib);
 	if (r != MW_XN_REASON_NONE)
 		return r;
-	return node_check(*cookie, p->proto);
+	return node_check(skb, *cookie, p->proto);
 }
 
 SEC("tcx/ingress")
@@ -470,4 +524,20 @@ int mw_xn_from_wire(struct __sk_buff *skb)
 		return pass(MW_XN_REASON_MALFORMED);
 	count_redirect(MW_XN_DIR_TO_POD, p.len, 0);
 	return bpf_redirect_peer(target, 0);
+}
+
+/*
+ * mw_xn_hooks: the agent runs this (BPF_PROG_TEST_RUN, from a thread in the
+ * node's namespace, whose loopback device the test packet gets) to read
+ * nf_hooks_ident before it reads the node's rulesets. The test frame's
+ * EtherType picks the family. Never attached.
+ */
+SEC("tc")
+int mw_xn_hooks(struct __sk_buff *skb)
+{
+	void *data = SKB_PTR(skb, data), *end = SKB_PTR(skb, data_end);
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end)
+		return 0;
+	return nf_hooks_ident(skb, bpf_ntohs(eth->h_proto));
 }

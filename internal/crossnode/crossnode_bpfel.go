@@ -64,6 +64,7 @@ type crossnodeMwXnNode struct {
 	Flags        uint32
 	Pad          uint32
 	ValidUntilNs uint64
+	Hooks        [2]uint32
 }
 
 type crossnodeMwXnReason uint32
@@ -97,6 +98,7 @@ const (
 	crossnodeMapMwXnStats        = "mw_xn_stats"
 	crossnodeProgMwXnFromPod     = "mw_xn_from_pod"
 	crossnodeProgMwXnFromWire    = "mw_xn_from_wire"
+	crossnodeProgMwXnHooks       = "mw_xn_hooks"
 	crossnodeVarMwXnDirUnused    = "mw_xn_dir_unused"
 	crossnodeVarMwXnKindUnused   = "mw_xn_kind_unused"
 	crossnodeVarMwXnReasonUnused = "mw_xn_reason_unused"
@@ -146,6 +148,7 @@ type crossnodeSpecs struct {
 type crossnodeProgramSpecs struct {
 	MwXnFromPod  *ebpf.ProgramSpec `ebpf:"mw_xn_from_pod"`
 	MwXnFromWire *ebpf.ProgramSpec `ebpf:"mw_xn_from_wire"`
+	MwXnHooks    *ebpf.ProgramSpec `ebpf:"mw_xn_hooks"`
 }
 
 // crossnodeMapSpecs contains maps before they are loaded into the kernel.
@@ -217,12 +220,14 @@ type crossnodeVariables struct {
 type crossnodePrograms struct {
 	MwXnFromPod  *ebpf.Program `ebpf:"mw_xn_from_pod"`
 	MwXnFromWire *ebpf.Program `ebpf:"mw_xn_from_wire"`
+	MwXnHooks    *ebpf.Program `ebpf:"mw_xn_hooks"`
 }
 
 func (p *crossnodePrograms) Close() error {
 	return _CrossnodeClose(
 		p.MwXnFromPod,
 		p.MwXnFromWire,
+		p.MwXnHooks,
 	)
 }
 

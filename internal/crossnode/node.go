@@ -122,6 +122,13 @@ func (n *nodeLoop) scan(ctx context.Context) error {
 	if err := n.syncLinks(devs); err != nil {
 		return err
 	}
+	// The hook lists packets meet now, read before the rulesets: the check
+	// below holds for these lists only (packets that meet others pass at
+	// once; see nf_hooks_ident).
+	hooks, err := n.hooksIdent()
+	if err != nil {
+		return err
+	}
 	nf := readNetfilter(ctx)
 	if len(nf.v4) == 0 {
 		nf.v4 = rpFilterBlockers(devs.rpFilter)
@@ -139,7 +146,24 @@ func (n *nodeLoop) scan(ctx context.Context) error {
 		return err
 	}
 	until := now + uint64(n.a.VerifiedFor().Nanoseconds())
-	return n.a.objs.MwXnNodes.Put(n.cookie, crossnodeMwXnNode{Flags: flags, ValidUntilNs: until})
+	return n.a.objs.MwXnNodes.Put(n.cookie, crossnodeMwXnNode{Flags: flags, ValidUntilNs: until, Hooks: hooks})
+}
+
+// hooksIdent reads the node's netfilter hook lists as the programs see
+// them, IPv4 and IPv6, by running mw_xn_hooks on a test frame from this
+// thread (in the node's namespace: the frame gets its loopback device).
+func (n *nodeLoop) hooksIdent() ([2]uint32, error) {
+	var out [2]uint32
+	for i, etherType := range []uint16{unix.ETH_P_IP, unix.ETH_P_IPV6} {
+		frame := make([]byte, 64)
+		frame[12], frame[13] = byte(etherType>>8), byte(etherType)
+		ret, err := n.a.objs.MwXnHooks.Run(&ebpf.RunOptions{Data: frame})
+		if err != nil {
+			return out, fmt.Errorf("read the node's netfilter hooks (BPF_PROG_TEST_RUN): %w", err)
+		}
+		out[i] = ret
+	}
+	return out, nil
 }
 
 func (n *nodeLoop) logChange(nf netfilterState) {

@@ -20,11 +20,10 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/crossnode"
 	"github.com/meshwarp/meshwarp/internal/metrics"
+	"github.com/meshwarp/meshwarp/internal/netns"
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
@@ -42,20 +41,11 @@ var crossNodeIntegrityOpts = testutil.IntegrityOptions{Conns: 16, Messages: 8, M
 
 // nodeCookie is the network namespace cookie of a node (what the status
 // reports its state under).
-func nodeCookie(t *testing.T, netns string) uint64 {
+func nodeCookie(t *testing.T, name string) uint64 {
 	t.Helper()
-	var cookie uint64
-	err := testutil.OpenNetns(t, netns).Do(func() error {
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			return err
-		}
-		defer unix.Close(fd)
-		cookie, err = unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
-		return err
-	})
+	cookie, err := netns.Cookie(netnsPath(name))
 	if err != nil {
-		t.Fatalf("netns cookie of %s: %v", netns, err)
+		t.Fatal(err)
 	}
 	return cookie
 }
@@ -96,13 +86,13 @@ func nodePinDirs(t *testing.T, l *Lab) []string {
 	return dirs
 }
 
-// startNodeAgents starts one agent per node (its cgroup, its namespace) and
-// uninstalls them on cleanup.
-func startNodeAgents(t *testing.T, l *Lab, pinDirs []string) {
+// startNodeAgents starts one agent per node (its cgroup, its namespace),
+// checking the nodes every interval, and uninstalls them on cleanup.
+func startNodeAgents(t *testing.T, l *Lab, pinDirs []string, interval time.Duration) {
 	t.Helper()
 	for i, n := range l.Nodes() {
 		a, err := accel.Start(accel.Config{CgroupPath: l.NodeCgroup(i), PinDir: pinDirs[i], CrossNode: true,
-			CrossNodes: []crossnode.Node{{Netns: netnsPath(n.Netns)}}, CrossNodeInterval: 100 * time.Millisecond}, nil)
+			CrossNodes: []crossnode.Node{{Netns: netnsPath(n.Netns)}}, CrossNodeInterval: interval}, nil)
 		if err != nil {
 			t.Fatalf("start the agent of %s: %v", n.Netns, err)
 		}
@@ -228,7 +218,7 @@ func TestPrivilegedCrossNode(t *testing.T) {
 			if withAgent {
 				pinDirs = nodePinDirs(t, l)
 				serverPins = pinDirs[server.Node]
-				startNodeAgents(t, l, pinDirs)
+				startNodeAgents(t, l, pinDirs, 100*time.Millisecond)
 				s := crossNodeStats(t, pinDirs...)
 				if s.Devices != 4 || len(s.Nodes) != 2 {
 					t.Fatalf("agents attached to %d devices in %d nodes, want 4 (pod port and wire in each) in 2", s.Devices, len(s.Nodes))
@@ -521,4 +511,87 @@ func TestPrivilegedCrossNodeLifecycle(t *testing.T) {
 	if r := echo.Resets.Load(); r != 0 {
 		t.Errorf("the server app saw %d connections end in an error", r)
 	}
+}
+
+// TestPrivilegedCrossNodeNetfilterAtOnce: a netfilter table or chain that
+// appears on a node is obeyed by the very next packet, not at the agent's
+// next check. The agents here check the nodes once, at start (an interval of
+// an hour): only the programs' own look at the node's hook lists can make
+// them step aside. For each family a DROP rule in a table the node did not
+// have yet is added and a new connection must fail at once; after the rule
+// goes, connections work (on the normal path). The same assertions hold
+// without the agents (run second: the tables stay once created).
+func TestPrivilegedCrossNodeNetfilterAtOnce(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	l := upForTest(t, Options{Pods: 2, Nodes: 2, Capture: true})
+	client, server := l.Client(), l.Server()
+	clientNs := testutil.OpenNetns(t, client.Netns)
+	serverNode := l.Nodes()[server.Node]
+	ln := listenInNode(t, l, server)
+	testutil.JoinCgroup(t, l.NodeCgroup(client.Node))
+	echo := testutil.ServeEcho(ln)
+	defer echo.Close()
+
+	families := []struct{ tool, network, addr string }{
+		{"iptables", "tcp4", netip.AddrPortFrom(server.IP, crossNodePort).String()},
+		{"ip6tables", "tcp6", netip.AddrPortFrom(server.IP6, crossNodePort).String()},
+	}
+	for _, withAgent := range []bool{true, false} {
+		mode := "without-agent"
+		if withAgent {
+			mode = "with-agent"
+		}
+		t.Run(mode, func(t *testing.T) {
+			var pinDirs []string
+			if withAgent {
+				pinDirs = nodePinDirs(t, l)
+				startNodeAgents(t, l, pinDirs, time.Hour)
+			}
+			// A table the node has not had yet in this mode.
+			table := "mangle"
+			if !withAgent {
+				table = "filter"
+			}
+			for _, f := range families {
+				t.Run(f.network, func(t *testing.T) {
+					var before crossnode.Stats
+					if withAgent {
+						start := crossNodeStats(t, pinDirs...)
+						if err := echoOnce(clientNs, f.network, f.addr, []byte("redirected\n"), 10*time.Second); err != nil {
+							t.Fatalf("before any rule: %v", err)
+						}
+						before = crossNodeStats(t, pinDirs...)
+						if before.RedirectedPackets["to_pod"] == start.RedirectedPackets["to_pod"] {
+							t.Fatal("nothing was redirected before the rule: the case would prove nothing")
+						}
+					}
+					rule := []string{"ip", "netns", "exec", serverNode.Netns, f.tool, "-w", "-t", table, "-I", "FORWARD",
+						"-p", "tcp", "--dport", fmt.Sprint(crossNodePort), "-j", "DROP"}
+					testutil.Run(t, rule[0], rule[1:]...)
+					removed := false
+					remove := func() {
+						if !removed {
+							removed = true
+							rule[8] = "-D"
+							testutil.Run(t, rule[0], rule[1:]...)
+						}
+					}
+					defer remove()
+					if err := echoOnce(clientNs, f.network, f.addr, []byte("dropped\n"), 2*time.Second); err == nil {
+						t.Errorf("a new %s connection passed a DROP rule the node had just got", f.network)
+					}
+					if withAgent {
+						if d := crossNodeStats(t, pinDirs...).PassedPackets["netfilter"] - before.PassedPackets["netfilter"]; d == 0 {
+							t.Error("no packet counted as passed for netfilter")
+						}
+					}
+					remove()
+					if err := echoOnce(clientNs, f.network, f.addr, []byte("allowed again\n"), 10*time.Second); err != nil {
+						t.Errorf("after the rule went: %v", err)
+					}
+				})
+			}
+		})
+	}
+	waitIdle(t, l)
 }
