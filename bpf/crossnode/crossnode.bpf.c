@@ -112,6 +112,18 @@ struct mw_xn_node {
 	__u32 hooks[2];
 };
 
+/*
+ * What a netfilter hook function does with its priv, for the hook functions
+ * the agent found in /proc/kallsyms (mw_xn_hookfns): which memory changes
+ * when the rules behind the hook change.
+ */
+enum mw_xn_hookfn {
+	MW_XN_HOOKFN_UNKNOWN = 0,
+	MW_XN_HOOKFN_NFT_CHAIN = 1, /* nf_tables: priv is a base chain; its rule blobs and policy */
+	MW_XN_HOOKFN_XT_TABLE = 2,  /* x_tables: priv is the table; its rules (private) */
+	MW_XN_HOOKFN_NAT = 3,       /* nf_nat: priv holds a nested hook list of NAT chains or tables */
+};
+
 struct mw_xn_mac_key {
 	__u64 netns_cookie;
 	__u8 mac[6];
@@ -149,6 +161,14 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } mw_xn_macs SEC(".maps");
 
+/* Hook function address -> enum mw_xn_hookfn, filled by the agent at start. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 64);
+	__type(key, __u64);
+	__type(value, __u32);
+} mw_xn_hookfns SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, 1);
@@ -175,6 +195,7 @@ struct {
 const enum mw_xn_reason mw_xn_reason_unused __attribute__((unused));
 const enum mw_xn_dir mw_xn_dir_unused __attribute__((unused));
 const enum mw_xn_kind mw_xn_kind_unused __attribute__((unused));
+const enum mw_xn_hookfn mw_xn_hookfn_unused __attribute__((unused));
 
 extern void *bpf_cast_to_kern_ctx(void *obj) __ksym;
 
@@ -287,36 +308,153 @@ static __always_inline enum mw_xn_reason check_ip(struct __sk_buff *skb, struct 
 	return MW_XN_REASON_NOT_IP;
 }
 
-static __always_inline __u64 mix(__u64 h, const void *p)
+static __always_inline __u64 mix(__u64 h, __u64 v)
 {
-	return (h ^ (__u64)(long)p) * 0x9E3779B97F4A7C15ULL;
+	return (h ^ v) * 0x9E3779B97F4A7C15ULL;
+}
+
+#define MW_XN_HOOK_ENTRIES 8
+/* struct nf_hook_entries, as read: its count and first entries. */
+struct mw_xn_hook_list {
+	__u16 num;
+	__u16 pad[3];
+	struct {
+		__u64 hook;
+		__u64 priv;
+	} e[MW_XN_HOOK_ENTRIES];
+};
+_Static_assert(__builtin_offsetof(struct nf_hook_entries, hooks) == 8, "nf_hook_entries layout");
+
+/* Room to read hook lists in, per CPU: [0] a node's list, [1] a nested NAT list. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 2);
+	__type(key, __u32);
+	__type(value, struct mw_xn_hook_list);
+} mw_xn_scratch SEC(".maps");
+
+/* read_list: list's count and first entries into scratch slot, or NULL. */
+static __always_inline struct mw_xn_hook_list *read_list(__u64 list, __u32 slot)
+{
+	struct mw_xn_hook_list *b = bpf_map_lookup_elem(&mw_xn_scratch, &slot);
+	if (!b || !list || bpf_probe_read_kernel(b, sizeof(*b), (void *)list))
+		return 0;
+	if (b->num > MW_XN_HOOK_ENTRIES)
+		b->num = MW_XN_HOOK_ENTRIES + 1; /* more than read: known by address and count */
+	return b;
+}
+
+static __always_inline __u64 read_u64(const void *p)
+{
+	__u64 v = 0;
+	bpf_probe_read_kernel(&v, sizeof(v), p);
+	return v;
 }
 
 /*
- * nf_hooks_ident: which netfilter hook lists a forwarded packet of the
- * family meets in the device's namespace (the node): the family's
- * PRE_ROUTING, FORWARD and POST_ROUTING, and the bridge family's. The kernel
- * replaces a list whenever a table or base chain registers or unregisters
- * there, so another identity than the agent checked means the node's
- * netfilter changed since: the packet takes the normal path at once, not at
- * the next check. (A rule added to a chain that already exists changes no
- * list, nor does a netdev chain: the next check, at most a scan interval
- * later, sees those.)
+ * mix_rules: the memory that changes when the rules behind one hook entry
+ * change (committed nf_tables rules get a new blob; an x_tables replace, a
+ * new private), for the hook functions the agent recognised.
+ */
+static __always_inline __u64 mix_rules(__u64 h, __u32 kind, __u64 priv)
+{
+	if (kind == MW_XN_HOOKFN_NFT_CHAIN) {
+		struct nft_chain *c = (void *)priv;
+		h = mix(h, read_u64(&c->blob_gen_0));
+		h = mix(h, read_u64(&c->blob_gen_1));
+		/* The policy lives in the nft_base_chain around the chain. */
+		__u64 base = priv - bpf_core_field_offset(struct nft_base_chain, chain);
+		__u8 policy = 0;
+		bpf_probe_read_kernel(&policy, 1, (void *)(base + bpf_core_field_offset(struct nft_base_chain, policy)));
+		h = mix(h, policy);
+	} else if (kind == MW_XN_HOOKFN_XT_TABLE) {
+		struct xt_table *t = (void *)priv;
+		h = mix(h, read_u64(&t->private));
+	}
+	return h;
+}
+
+static __always_inline __u32 hookfn_kind(__u64 fn)
+{
+	__u32 *k = bpf_map_lookup_elem(&mw_xn_hookfns, &fn);
+	return k ? *k : MW_XN_HOOKFN_UNKNOWN;
+}
+
+/* mix_nested: the NAT chains or tables nf_nat runs from one of its hooks. */
+static __noinline __u64 mix_nested(__u64 h, __u64 priv)
+{
+	struct nf_nat_lookup_hook_priv *np = (void *)priv;
+	__u64 list = read_u64(&np->entries);
+	struct mw_xn_hook_list *b = read_list(list, 1);
+
+	h = mix(h, list);
+	if (!b)
+		return h;
+	h = mix(h, b->num);
+	for (int i = 0; i < MW_XN_HOOK_ENTRIES; i++) {
+		if (i >= b->num)
+			break;
+		h = mix(h, b->e[i].hook);
+		h = mix(h, b->e[i].priv);
+		h = mix_rules(h, hookfn_kind(b->e[i].hook), b->e[i].priv);
+	}
+	return h;
+}
+
+/*
+ * mix_list: one hook list: which entries it has and, for the entries whose
+ * function the agent recognised, the rules behind them. A list with more
+ * entries than read is known by its address and count only.
+ */
+static __noinline __u64 mix_list(__u64 h, __u64 list)
+{
+	struct mw_xn_hook_list *b = read_list(list, 0);
+
+	h = mix(h, list);
+	if (!b)
+		return h;
+	h = mix(h, b->num);
+	for (int i = 0; i < MW_XN_HOOK_ENTRIES; i++) {
+		if (i >= b->num)
+			break;
+		__u64 fn = b->e[i].hook, priv = b->e[i].priv;
+		h = mix(h, fn);
+		h = mix(h, priv);
+		__u32 kind = hookfn_kind(fn);
+		if (kind == MW_XN_HOOKFN_NAT)
+			h = mix_nested(h, priv);
+		else
+			h = mix_rules(h, kind, priv);
+	}
+	return h;
+}
+
+/*
+ * nf_hooks_ident: the netfilter a forwarded packet of the family meets in
+ * the device's namespace (the node): the family's PRE_ROUTING, FORWARD and
+ * POST_ROUTING hook lists with the rules behind their nf_tables chains and
+ * x_tables tables (NAT ones too), and the bridge family's hook lists. The
+ * kernel publishes a new list, blob or table when a table, chain, rule or
+ * policy changes, before the command that changed it returns. So another
+ * identity than the agent checked means the node's netfilter changed since:
+ * the packet takes the normal path at once, not at the next check. What it
+ * does not see (rules in existing bridge chains, netdev chains, hook
+ * functions it does not know) the next check sees, a scan interval later.
  */
 static __always_inline __u32 nf_hooks_ident(struct __sk_buff *ctx, __u16 proto)
 {
 	struct sk_buff *skb = bpf_cast_to_kern_ctx(ctx);
 	struct net *net = skb->dev->nd_net.net;
-	struct nf_hook_entries *l3[5] = {}, *br[5] = {};
+	__u64 l3[5] = {}, br[5] = {};
 	__u64 h = 0;
 
 	if (proto == ETH_P_IP)
 		bpf_probe_read_kernel(l3, sizeof(l3), &net->nf.hooks_ipv4);
 	else
 		bpf_probe_read_kernel(l3, sizeof(l3), &net->nf.hooks_ipv6);
-	h = mix(h, l3[NF_INET_PRE_ROUTING]);
-	h = mix(h, l3[NF_INET_FORWARD]);
-	h = mix(h, l3[NF_INET_POST_ROUTING]);
+	h = mix_list(h, l3[NF_INET_PRE_ROUTING]);
+	h = mix_list(h, l3[NF_INET_FORWARD]);
+	h = mix_list(h, l3[NF_INET_POST_ROUTING]);
 	if (bpf_core_field_exists(net->nf.hooks_bridge)) {
 		bpf_probe_read_kernel(br, sizeof(br), &net->nf.hooks_bridge);
 		for (int i = 0; i < 5; i++)

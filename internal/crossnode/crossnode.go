@@ -105,6 +105,9 @@ func Start(cfg Config, logger *slog.Logger) (_ *Agent, err error) {
 			a.objs.Close()
 		}
 	}()
+	if _, err := a.loadHookFunctions(); err != nil {
+		return nil, err
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	a.cancel = cancel
 	seen := map[uint64]string{}

@@ -44,6 +44,26 @@ const (
 	crossnodeMwXnDirMW_XN_DIR_MAX     crossnodeMwXnDir = 2
 )
 
+type crossnodeMwXnHookList struct {
+	_   structs.HostLayout
+	Num uint16
+	Pad [3]uint16
+	E   [8]struct {
+		_    structs.HostLayout
+		Hook uint64
+		Priv uint64
+	}
+}
+
+type crossnodeMwXnHookfn uint32
+
+const (
+	crossnodeMwXnHookfnMW_XN_HOOKFN_UNKNOWN   crossnodeMwXnHookfn = 0
+	crossnodeMwXnHookfnMW_XN_HOOKFN_NFT_CHAIN crossnodeMwXnHookfn = 1
+	crossnodeMwXnHookfnMW_XN_HOOKFN_XT_TABLE  crossnodeMwXnHookfn = 2
+	crossnodeMwXnHookfnMW_XN_HOOKFN_NAT       crossnodeMwXnHookfn = 3
+)
+
 type crossnodeMwXnKind uint32
 
 const (
@@ -93,13 +113,16 @@ const (
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	crossnodeMapMwXnDevs         = "mw_xn_devs"
+	crossnodeMapMwXnHookfns      = "mw_xn_hookfns"
 	crossnodeMapMwXnMacs         = "mw_xn_macs"
 	crossnodeMapMwXnNodes        = "mw_xn_nodes"
+	crossnodeMapMwXnScratch      = "mw_xn_scratch"
 	crossnodeMapMwXnStats        = "mw_xn_stats"
 	crossnodeProgMwXnFromPod     = "mw_xn_from_pod"
 	crossnodeProgMwXnFromWire    = "mw_xn_from_wire"
 	crossnodeProgMwXnHooks       = "mw_xn_hooks"
 	crossnodeVarMwXnDirUnused    = "mw_xn_dir_unused"
+	crossnodeVarMwXnHookfnUnused = "mw_xn_hookfn_unused"
 	crossnodeVarMwXnKindUnused   = "mw_xn_kind_unused"
 	crossnodeVarMwXnReasonUnused = "mw_xn_reason_unused"
 )
@@ -155,10 +178,12 @@ type crossnodeProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type crossnodeMapSpecs struct {
-	MwXnDevs  *ebpf.MapSpec `ebpf:"mw_xn_devs"`
-	MwXnMacs  *ebpf.MapSpec `ebpf:"mw_xn_macs"`
-	MwXnNodes *ebpf.MapSpec `ebpf:"mw_xn_nodes"`
-	MwXnStats *ebpf.MapSpec `ebpf:"mw_xn_stats"`
+	MwXnDevs    *ebpf.MapSpec `ebpf:"mw_xn_devs"`
+	MwXnHookfns *ebpf.MapSpec `ebpf:"mw_xn_hookfns"`
+	MwXnMacs    *ebpf.MapSpec `ebpf:"mw_xn_macs"`
+	MwXnNodes   *ebpf.MapSpec `ebpf:"mw_xn_nodes"`
+	MwXnScratch *ebpf.MapSpec `ebpf:"mw_xn_scratch"`
+	MwXnStats   *ebpf.MapSpec `ebpf:"mw_xn_stats"`
 }
 
 // crossnodeVariableSpecs contains global variables before they are loaded into the kernel.
@@ -166,6 +191,7 @@ type crossnodeMapSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type crossnodeVariableSpecs struct {
 	MwXnDirUnused    *ebpf.VariableSpec `ebpf:"mw_xn_dir_unused"`
+	MwXnHookfnUnused *ebpf.VariableSpec `ebpf:"mw_xn_hookfn_unused"`
 	MwXnKindUnused   *ebpf.VariableSpec `ebpf:"mw_xn_kind_unused"`
 	MwXnReasonUnused *ebpf.VariableSpec `ebpf:"mw_xn_reason_unused"`
 }
@@ -190,17 +216,21 @@ func (o *crossnodeObjects) Close() error {
 //
 // It can be passed to loadCrossnodeObjects or ebpf.CollectionSpec.LoadAndAssign.
 type crossnodeMaps struct {
-	MwXnDevs  *ebpf.Map `ebpf:"mw_xn_devs"`
-	MwXnMacs  *ebpf.Map `ebpf:"mw_xn_macs"`
-	MwXnNodes *ebpf.Map `ebpf:"mw_xn_nodes"`
-	MwXnStats *ebpf.Map `ebpf:"mw_xn_stats"`
+	MwXnDevs    *ebpf.Map `ebpf:"mw_xn_devs"`
+	MwXnHookfns *ebpf.Map `ebpf:"mw_xn_hookfns"`
+	MwXnMacs    *ebpf.Map `ebpf:"mw_xn_macs"`
+	MwXnNodes   *ebpf.Map `ebpf:"mw_xn_nodes"`
+	MwXnScratch *ebpf.Map `ebpf:"mw_xn_scratch"`
+	MwXnStats   *ebpf.Map `ebpf:"mw_xn_stats"`
 }
 
 func (m *crossnodeMaps) Close() error {
 	return _CrossnodeClose(
 		m.MwXnDevs,
+		m.MwXnHookfns,
 		m.MwXnMacs,
 		m.MwXnNodes,
+		m.MwXnScratch,
 		m.MwXnStats,
 	)
 }
@@ -210,6 +240,7 @@ func (m *crossnodeMaps) Close() error {
 // It can be passed to loadCrossnodeObjects or ebpf.CollectionSpec.LoadAndAssign.
 type crossnodeVariables struct {
 	MwXnDirUnused    *ebpf.Variable `ebpf:"mw_xn_dir_unused"`
+	MwXnHookfnUnused *ebpf.Variable `ebpf:"mw_xn_hookfn_unused"`
 	MwXnKindUnused   *ebpf.Variable `ebpf:"mw_xn_kind_unused"`
 	MwXnReasonUnused *ebpf.Variable `ebpf:"mw_xn_reason_unused"`
 }

@@ -513,14 +513,14 @@ func TestPrivilegedCrossNodeLifecycle(t *testing.T) {
 	}
 }
 
-// TestPrivilegedCrossNodeNetfilterAtOnce: a netfilter table or chain that
-// appears on a node is obeyed by the very next packet, not at the agent's
-// next check. The agents here check the nodes once, at start (an interval of
-// an hour): only the programs' own look at the node's hook lists can make
-// them step aside. For each family a DROP rule in a table the node did not
-// have yet is added and a new connection must fail at once; after the rule
-// goes, connections work (on the normal path). The same assertions hold
-// without the agents (run second: the tables stay once created).
+// TestPrivilegedCrossNodeNetfilterAtOnce: a netfilter change on a node is
+// obeyed by the very next packet, not at the agent's next check: a table the
+// node did not have, a rule in a chain it has, a chain's policy, NAT rules.
+// The agents here check the nodes only when they start (an interval of an
+// hour): only the programs' own look at the node's netfilter can make them
+// step aside. Each case starts fresh agents (which check the node as it is),
+// proves they redirect, changes the rules and connects at once. The same
+// assertions hold without the agents (run second: the tables stay).
 func TestPrivilegedCrossNodeNetfilterAtOnce(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	l := upForTest(t, Options{Pods: 2, Nodes: 2, Capture: true})
@@ -532,62 +532,89 @@ func TestPrivilegedCrossNodeNetfilterAtOnce(t *testing.T) {
 	echo := testutil.ServeEcho(ln)
 	defer echo.Close()
 
-	families := []struct{ tool, network, addr string }{
-		{"iptables", "tcp4", netip.AddrPortFrom(server.IP, crossNodePort).String()},
-		{"ip6tables", "tcp6", netip.AddrPortFrom(server.IP6, crossNodePort).String()},
+	const natPort = 9077 // reaches the app only through the node's DNAT
+	type change struct {
+		name     string
+		do, undo []string // iptables arguments after the tool
+		port     int      // connect here while the change stands
+		refused  bool     // the change must stop the connection (else: make it work)
 	}
-	for _, withAgent := range []bool{true, false} {
-		mode := "without-agent"
-		if withAgent {
-			mode = "with-agent"
+	port := fmt.Sprint(crossNodePort)
+	drop := []string{"-p", "tcp", "--dport", port, "-j", "DROP"}
+	changes := []change{
+		{"a DROP in a table the node did not have", append([]string{"-t", "mangle", "-I", "FORWARD"}, drop...),
+			append([]string{"-t", "mangle", "-D", "FORWARD"}, drop...), crossNodePort, true},
+		{"a DROP in a chain the node has", append([]string{"-t", "mangle", "-I", "FORWARD"}, drop...),
+			append([]string{"-t", "mangle", "-D", "FORWARD"}, drop...), crossNodePort, true},
+		{"a DROP policy on a chain the node has", []string{"-t", "mangle", "-P", "FORWARD", "DROP"},
+			[]string{"-t", "mangle", "-P", "FORWARD", "ACCEPT"}, crossNodePort, true},
+	}
+	for _, f := range []struct{ tool, network string }{{"iptables", "tcp4"}, {"ip6tables", "tcp6"}} {
+		addr, to := server.IP.String(), server.IP.String()
+		if f.network == "tcp6" {
+			addr, to = server.IP6.String(), "["+server.IP6.String()+"]"
 		}
-		t.Run(mode, func(t *testing.T) {
-			var pinDirs []string
-			if withAgent {
-				pinDirs = nodePinDirs(t, l)
-				startNodeAgents(t, l, pinDirs, time.Hour)
-			}
-			// A table the node has not had yet in this mode.
-			table := "mangle"
-			if !withAgent {
-				table = "filter"
-			}
-			for _, f := range families {
-				t.Run(f.network, func(t *testing.T) {
-					var before crossnode.Stats
-					if withAgent {
-						start := crossNodeStats(t, pinDirs...)
-						if err := echoOnce(clientNs, f.network, f.addr, []byte("redirected\n"), 10*time.Second); err != nil {
-							t.Fatalf("before any rule: %v", err)
-						}
-						before = crossNodeStats(t, pinDirs...)
-						if before.RedirectedPackets["to_pod"] == start.RedirectedPackets["to_pod"] {
-							t.Fatal("nothing was redirected before the rule: the case would prove nothing")
-						}
-					}
-					rule := []string{"ip", "netns", "exec", serverNode.Netns, f.tool, "-w", "-t", table, "-I", "FORWARD",
-						"-p", "tcp", "--dport", fmt.Sprint(crossNodePort), "-j", "DROP"}
-					testutil.Run(t, rule[0], rule[1:]...)
-					removed := false
-					remove := func() {
-						if !removed {
-							removed = true
-							rule[8] = "-D"
-							testutil.Run(t, rule[0], rule[1:]...)
-						}
-					}
-					defer remove()
-					if err := echoOnce(clientNs, f.network, f.addr, []byte("dropped\n"), 2*time.Second); err == nil {
-						t.Errorf("a new %s connection passed a DROP rule the node had just got", f.network)
-					}
-					if withAgent {
-						if d := crossNodeStats(t, pinDirs...).PassedPackets["netfilter"] - before.PassedPackets["netfilter"]; d == 0 {
-							t.Error("no packet counted as passed for netfilter")
-						}
-					}
-					remove()
-					if err := echoOnce(clientNs, f.network, f.addr, []byte("allowed again\n"), 10*time.Second); err != nil {
-						t.Errorf("after the rule went: %v", err)
+		dnat := []string{"PREROUTING", "-d", addr, "-p", "tcp", "--dport", fmt.Sprint(natPort),
+			"-j", "DNAT", "--to-destination", fmt.Sprintf("%s:%d", to, crossNodePort)}
+		t.Run(f.network, func(t *testing.T) {
+			cases := append(append([]change(nil), changes...),
+				change{"a DNAT in a table the node did not have", append([]string{"-t", "nat", "-A"}, dnat...),
+					append([]string{"-t", "nat", "-D"}, dnat...), natPort, false},
+				change{"a DNAT in a chain the node has", append([]string{"-t", "nat", "-A"}, dnat...),
+					append([]string{"-t", "nat", "-D"}, dnat...), natPort, false})
+			for _, withAgent := range []bool{true, false} {
+				mode := "without-agent"
+				if withAgent {
+					mode = "with-agent"
+				}
+				t.Run(mode, func(t *testing.T) {
+					for _, c := range cases {
+						t.Run(c.name, func(t *testing.T) {
+							nodeRules := func(args []string) {
+								testutil.Run(t, "ip", append([]string{"netns", "exec", serverNode.Netns, f.tool, "-w"}, args...)...)
+							}
+							direct := netip.AddrPortFrom(netip.MustParseAddr(addr), crossNodePort).String()
+							target := netip.AddrPortFrom(netip.MustParseAddr(addr), uint16(c.port)).String()
+							var pinDirs []string
+							var before crossnode.Stats
+							if withAgent {
+								pinDirs = nodePinDirs(t, l)
+								startNodeAgents(t, l, pinDirs, time.Hour)
+								start := crossNodeStats(t, pinDirs...)
+								if err := echoOnce(clientNs, f.network, direct, []byte("redirected\n"), 10*time.Second); err != nil {
+									t.Fatalf("before the change: %v", err)
+								}
+								before = crossNodeStats(t, pinDirs...)
+								if before.RedirectedPackets["to_pod"] == start.RedirectedPackets["to_pod"] {
+									t.Fatalf("nothing was redirected before the change (passed %v): the case would prove nothing", before.PassedPackets)
+								}
+							}
+							nodeRules(c.do)
+							undone := false
+							undo := func() {
+								if !undone {
+									undone = true
+									nodeRules(c.undo)
+								}
+							}
+							defer undo()
+							err := echoOnce(clientNs, f.network, target, []byte("right after the change\n"), 2*time.Second)
+							if c.refused && err == nil {
+								t.Errorf("a new connection passed %s the node had just got", c.name)
+							}
+							if !c.refused && err != nil {
+								t.Errorf("%s the node had just got was not applied: %v", c.name, err)
+							}
+							if withAgent {
+								if d := crossNodeStats(t, pinDirs...).PassedPackets["netfilter"] - before.PassedPackets["netfilter"]; d == 0 {
+									t.Error("no packet counted as passed for netfilter")
+								}
+							}
+							undo()
+							if err := echoOnce(clientNs, f.network, direct, []byte("after the change went\n"), 10*time.Second); err != nil {
+								t.Errorf("after the change went: %v", err)
+							}
+						})
 					}
 				})
 			}
