@@ -83,7 +83,9 @@ reason in ` + "`meshwarp status`" + `). A family is redirected only while the
 node has no netfilter rule or policy where forwarded packets would meet one
 (PREROUTING, FORWARD, POSTROUTING, bridge, netdev; nf_tables and legacy
 iptables are read every second) and no IPv4 rp_filter: such a rule keeps every packet of
-that family on the normal path. The pods' own rules (Istio's capture) see
+that family on the normal path. Between two reads, a packet that would meet
+netfilter tables, chains, rules or policies other than those read takes the
+normal path at once. The pods' own rules (Istio's capture) see
 every packet as before. The agent's check expires 3s after it stops: then
 packets take the normal path until an agent checks again.
 
