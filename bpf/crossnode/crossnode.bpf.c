@@ -482,6 +482,19 @@ static __always_inline enum mw_xn_reason node_check(struct __sk_buff *skb, __u64
 	return MW_XN_REASON_NONE;
 }
 
+/*
+ * fits: the packet fits the egress device's MTU as forwarding checks it
+ * (ip_exceeds_mtu): a GSO packet by its segments, which bpf_fib_lookup
+ * does not check (is_skb_forwardable lets any GSO packet through). One that
+ * does not fit takes the normal path, where the kernel answers with
+ * "fragmentation needed" / "packet too big" and path MTU discovery works.
+ */
+static __always_inline int fits(struct __sk_buff *skb, __u32 ifindex)
+{
+	__u32 mtu = 0;
+	return bpf_check_mtu(skb, ifindex, &mtu, 0, BPF_MTU_CHK_SEGS) == BPF_MTU_CHK_RET_SUCCESS;
+}
+
 static __always_inline enum mw_xn_reason fib_reason(long rc)
 {
 	switch (rc) {
@@ -609,6 +622,8 @@ int mw_xn_from_pod(struct __sk_buff *skb)
 	struct mw_xn_dev *out = bpf_map_lookup_elem(&mw_xn_devs, &ek);
 	if (!out || out->kind != MW_XN_KIND_UPLINK)
 		return pass(MW_XN_REASON_NOT_CROSS_NODE);
+	if (!fits(skb, fib.ifindex))
+		return pass(MW_XN_REASON_MTU);
 
 	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH) {
 		struct bpf_redir_neigh nh = { .nh_family = fib.family };
@@ -646,6 +661,8 @@ int mw_xn_from_wire(struct __sk_buff *skb)
 	struct mw_xn_dev *br = bpf_map_lookup_elem(&mw_xn_devs, &bk);
 	if (!br || br->kind != MW_XN_KIND_BRIDGE)
 		return pass(MW_XN_REASON_NOT_CROSS_NODE);
+	if (!fits(skb, fib.ifindex))
+		return pass(MW_XN_REASON_MTU);
 
 	/* The port the bridge would pick for the neighbour's MAC. */
 	struct mw_xn_mac_key mk = { .netns_cookie = cookie };

@@ -155,6 +155,7 @@ var helpers = []struct {
 	{ebpf.SchedCLS, "sched_cls", asm.FnRedirectPeer, "bpf_redirect_peer", "cross-node: into the pod (Linux 5.10)", configTC},
 	{ebpf.SchedCLS, "sched_cls", asm.FnSkbPullData, "bpf_skb_pull_data", "cross-node: headers in the linear area", configTC},
 	{ebpf.SchedCLS, "sched_cls", asm.FnSkbStoreBytes, "bpf_skb_store_bytes", "cross-node: the IPv6 hop limit, with the packet checksum", configTC},
+	{ebpf.SchedCLS, "sched_cls", asm.FnCheckMtu, "bpf_check_mtu", "cross-node: GSO packets checked by segment against the egress MTU (Linux 5.12)", configTC},
 	{ebpf.TracePoint, "tracepoint", asm.FnProbeReadUser, "bpf_probe_read_user", "reads the value of setsockopt(SO_RCVLOWAT) (syscall watch)", configTrace},
 }
 
