@@ -358,7 +358,13 @@ static __always_inline __u64 read_u64(const void *p)
  */
 static __always_inline __u64 mix_rules(__u64 h, __u32 kind, __u64 priv)
 {
-	if (kind == MW_XN_HOOKFN_NFT_CHAIN) {
+	/*
+	 * The type checks keep the program loadable where nf_tables or
+	 * x_tables are modules whose types the kernel's BTF lacks: the digest
+	 * then covers the hook lists only.
+	 */
+	if (kind == MW_XN_HOOKFN_NFT_CHAIN && bpf_core_type_exists(struct nft_chain) &&
+	    bpf_core_type_exists(struct nft_base_chain)) {
 		struct nft_chain *c = (void *)priv;
 		h = mix(h, read_u64(&c->blob_gen_0));
 		h = mix(h, read_u64(&c->blob_gen_1));
@@ -367,7 +373,7 @@ static __always_inline __u64 mix_rules(__u64 h, __u32 kind, __u64 priv)
 		__u8 policy = 0;
 		bpf_probe_read_kernel(&policy, 1, (void *)(base + bpf_core_field_offset(struct nft_base_chain, policy)));
 		h = mix(h, policy);
-	} else if (kind == MW_XN_HOOKFN_XT_TABLE) {
+	} else if (kind == MW_XN_HOOKFN_XT_TABLE && bpf_core_type_exists(struct xt_table)) {
 		struct xt_table *t = (void *)priv;
 		h = mix(h, read_u64(&t->private));
 	}
@@ -383,6 +389,8 @@ static __always_inline __u32 hookfn_kind(__u64 fn)
 /* mix_nested: the NAT chains or tables nf_nat runs from one of its hooks. */
 static __noinline __u64 mix_nested(__u64 h, __u64 priv)
 {
+	if (!bpf_core_type_exists(struct nf_nat_lookup_hook_priv))
+		return h;
 	struct nf_nat_lookup_hook_priv *np = (void *)priv;
 	__u64 list = read_u64(&np->entries);
 	struct mw_xn_hook_list *b = read_list(list, 1);

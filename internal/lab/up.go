@@ -72,7 +72,7 @@ func Up(ctx context.Context, opts Options, logger *slog.Logger) (*Lab, error) {
 	}
 	defer unlock()
 	l, err := upLocked(ctx, opts, logger)
-	if err != nil && len(Leftovers()) > 0 {
+	if err != nil && !errors.Is(err, ErrOtherLabUp) && len(Leftovers()) > 0 {
 		return nil, fmt.Errorf("%w (logs: %s; `meshwarp lab down` removes the half-built lab, `meshwarp lab up` rebuilds it)", err, logsDir())
 	}
 	return l, err
@@ -158,6 +158,9 @@ func upLocked(ctx context.Context, opts Options, logger *slog.Logger) (*Lab, err
 	return l, nil
 }
 
+// ErrOtherLabUp: a lab of another shape is up; Up leaves it as it is.
+var ErrOtherLabUp = errors.New("another lab is up")
+
 // prepareState returns the state of the lab to build on: the running lab's
 // (same shape) or a fresh one written before anything exists, after
 // removing the leftovers of an interrupted one; it creates the run
@@ -167,8 +170,8 @@ func prepareState(ctx context.Context, opts Options, cg string, logger *slog.Log
 	switch {
 	case err == nil && st.Phase == phaseReady:
 		if st.Pods != opts.Pods || max(st.Nodes, 1) != opts.Nodes || st.SidecarUID != opts.SidecarUID {
-			return nil, fmt.Errorf("a lab with %d pods on %d node(s) (sidecar uid %d) is already up: run `meshwarp lab down` first to change it",
-				st.Pods, max(st.Nodes, 1), st.SidecarUID)
+			return nil, fmt.Errorf("%w: %d pods on %d node(s) (sidecar uid %d), not the %d pods on %d node(s) (sidecar uid %d) asked for: run `meshwarp lab down` first to change it",
+				ErrOtherLabUp, st.Pods, max(st.Nodes, 1), st.SidecarUID, opts.Pods, opts.Nodes, opts.SidecarUID)
 		}
 		logger.Info("lab already up: verifying and repairing", "pods", st.Pods)
 	case err == nil || len(leftovers(cg)) > 0:
