@@ -356,7 +356,7 @@ static __always_inline __u64 read_u64(const void *p)
  * change (committed nf_tables rules get a new blob; an x_tables replace, a
  * new private), for the hook functions the agent recognised.
  */
-static __always_inline __u64 mix_rules(__u64 h, __u32 kind, __u64 priv)
+static __always_inline __u64 mix_rules(__u64 h, __u32 kind, __u64 priv, __u32 gen)
 {
 	/*
 	 * The type checks keep the program loadable where nf_tables or
@@ -365,9 +365,16 @@ static __always_inline __u64 mix_rules(__u64 h, __u32 kind, __u64 priv)
 	 */
 	if (kind == MW_XN_HOOKFN_NFT_CHAIN && bpf_core_type_exists(struct nft_chain) &&
 	    bpf_core_type_exists(struct nft_base_chain)) {
+		/*
+		 * The rules packets run now: the blob of the current generation
+		 * (nft_do_chain). The other one changes at every later commit
+		 * of any table, to catch up.
+		 */
 		struct nft_chain *c = (void *)priv;
-		h = mix(h, read_u64(&c->blob_gen_0));
-		h = mix(h, read_u64(&c->blob_gen_1));
+		if (gen != 1)
+			h = mix(h, read_u64(&c->blob_gen_0));
+		if (gen != 0)
+			h = mix(h, read_u64(&c->blob_gen_1));
 		/* The policy lives in the nft_base_chain around the chain. */
 		__u64 base = priv - bpf_core_field_offset(struct nft_base_chain, chain);
 		__u8 policy = 0;
@@ -387,7 +394,7 @@ static __always_inline __u32 hookfn_kind(__u64 fn)
 }
 
 /* mix_nested: the NAT chains or tables nf_nat runs from one of its hooks. */
-static __noinline __u64 mix_nested(__u64 h, __u64 priv)
+static __noinline __u64 mix_nested(__u64 h, __u64 priv, __u32 gen)
 {
 	if (!bpf_core_type_exists(struct nf_nat_lookup_hook_priv))
 		return h;
@@ -404,7 +411,7 @@ static __noinline __u64 mix_nested(__u64 h, __u64 priv)
 			break;
 		h = mix(h, b->e[i].hook);
 		h = mix(h, b->e[i].priv);
-		h = mix_rules(h, hookfn_kind(b->e[i].hook), b->e[i].priv);
+		h = mix_rules(h, hookfn_kind(b->e[i].hook), b->e[i].priv, gen);
 	}
 	return h;
 }
@@ -414,7 +421,7 @@ static __noinline __u64 mix_nested(__u64 h, __u64 priv)
  * function the agent recognised, the rules behind them. A list with more
  * entries than read is known by its address and count only.
  */
-static __noinline __u64 mix_list(__u64 h, __u64 list)
+static __noinline __u64 mix_list(__u64 h, __u64 list, __u32 gen)
 {
 	struct mw_xn_hook_list *b = read_list(list, 0);
 
@@ -430,9 +437,9 @@ static __noinline __u64 mix_list(__u64 h, __u64 list)
 		h = mix(h, priv);
 		__u32 kind = hookfn_kind(fn);
 		if (kind == MW_XN_HOOKFN_NAT)
-			h = mix_nested(h, priv);
+			h = mix_nested(h, priv, gen);
 		else
-			h = mix_rules(h, kind, priv);
+			h = mix_rules(h, kind, priv, gen);
 	}
 	return h;
 }
@@ -460,9 +467,16 @@ static __always_inline __u32 nf_hooks_ident(struct __sk_buff *ctx, __u16 proto)
 		bpf_probe_read_kernel(l3, sizeof(l3), &net->nf.hooks_ipv4);
 	else
 		bpf_probe_read_kernel(l3, sizeof(l3), &net->nf.hooks_ipv6);
-	h = mix_list(h, l3[NF_INET_PRE_ROUTING]);
-	h = mix_list(h, l3[NF_INET_FORWARD]);
-	h = mix_list(h, l3[NF_INET_POST_ROUTING]);
+	/* nf_tables' current generation; 2: unknown, both blobs count. */
+	__u32 gen = 2;
+	if (bpf_core_field_exists(net->nft.gencursor)) {
+		__u8 g = 0;
+		bpf_probe_read_kernel(&g, 1, &net->nft.gencursor);
+		gen = g & 1;
+	}
+	h = mix_list(h, l3[NF_INET_PRE_ROUTING], gen);
+	h = mix_list(h, l3[NF_INET_FORWARD], gen);
+	h = mix_list(h, l3[NF_INET_POST_ROUTING], gen);
 	if (bpf_core_field_exists(net->nf.hooks_bridge)) {
 		bpf_probe_read_kernel(br, sizeof(br), &net->nf.hooks_bridge);
 		for (int i = 0; i < 5; i++)

@@ -149,21 +149,29 @@ func (n *nodeLoop) scan(ctx context.Context) error {
 	return n.a.objs.MwXnNodes.Put(n.cookie, crossnodeMwXnNode{Flags: flags, ValidUntilNs: until, Hooks: hooks})
 }
 
-// hooksIdent reads the node's netfilter hook lists as the programs see
-// them, IPv4 and IPv6, by running mw_xn_hooks on a test frame from this
-// thread (in the node's namespace: the frame gets its loopback device).
-func (n *nodeLoop) hooksIdent() ([2]uint32, error) {
+// hooksIdent reads the node's netfilter digest as the programs see it.
+func (n *nodeLoop) hooksIdent() ([2]uint32, error) { return netfilterDigest(n.a.objs.MwXnHooks) }
+
+// netfilterDigest runs mw_xn_hooks on a test frame per family, IPv4 and
+// IPv6, from the calling thread, whose namespace's loopback device the
+// frame gets: the digest (nf_hooks_ident) of that namespace.
+func netfilterDigest(prog *ebpf.Program) ([2]uint32, error) {
 	var out [2]uint32
 	for i, etherType := range []uint16{unix.ETH_P_IP, unix.ETH_P_IPV6} {
-		frame := make([]byte, 64)
-		frame[12], frame[13] = byte(etherType>>8), byte(etherType)
-		ret, err := n.a.objs.MwXnHooks.Run(&ebpf.RunOptions{Data: frame})
+		ret, err := prog.Run(&ebpf.RunOptions{Data: digestFrame(etherType)})
 		if err != nil {
 			return out, fmt.Errorf("read the node's netfilter hooks (BPF_PROG_TEST_RUN): %w", err)
 		}
 		out[i] = ret
 	}
 	return out, nil
+}
+
+// digestFrame is an Ethernet frame of the given type for mw_xn_hooks.
+func digestFrame(etherType uint16) []byte {
+	frame := make([]byte, 64)
+	frame[12], frame[13] = byte(etherType>>8), byte(etherType)
+	return frame
 }
 
 func (n *nodeLoop) logChange(nf netfilterState) {
