@@ -393,37 +393,17 @@ static __always_inline __u32 hookfn_kind(__u64 fn)
 	return k ? *k : MW_XN_HOOKFN_UNKNOWN;
 }
 
-/* mix_nested: the NAT chains or tables nf_nat runs from one of its hooks. */
-static __noinline __u64 mix_nested(__u64 h, __u64 priv, __u32 gen)
-{
-	if (!bpf_core_type_exists(struct nf_nat_lookup_hook_priv))
-		return h;
-	struct nf_nat_lookup_hook_priv *np = (void *)priv;
-	__u64 list = read_u64(&np->entries);
-	struct mw_xn_hook_list *b = read_list(list, 1);
-
-	h = mix(h, list);
-	if (!b)
-		return h;
-	h = mix(h, b->num);
-	for (int i = 0; i < MW_XN_HOOK_ENTRIES; i++) {
-		if (i >= b->num)
-			break;
-		h = mix(h, b->e[i].hook);
-		h = mix(h, b->e[i].priv);
-		h = mix_rules(h, hookfn_kind(b->e[i].hook), b->e[i].priv, gen);
-	}
-	return h;
-}
+static __noinline __u64 mix_nested(__u64 h, __u64 priv, __u32 gen);
 
 /*
- * mix_list: one hook list: which entries it has and, for the entries whose
- * function the agent recognised, the rules behind them. A list with more
- * entries than read is known by its address and count only.
+ * mix_entries: one hook list: which entries it has and, for the entries
+ * whose function the agent recognised, the rules behind them (for nf_nat's
+ * entries, its nested list, one level down: nested is then 1). A list with
+ * more entries than read is known by its address, count and first entries.
  */
-static __noinline __u64 mix_list(__u64 h, __u64 list, __u32 gen)
+static __always_inline __u64 mix_entries(__u64 h, __u64 list, __u32 gen, const int nested)
 {
-	struct mw_xn_hook_list *b = read_list(list, 0);
+	struct mw_xn_hook_list *b = read_list(list, nested);
 
 	h = mix(h, list);
 	if (!b)
@@ -436,12 +416,26 @@ static __noinline __u64 mix_list(__u64 h, __u64 list, __u32 gen)
 		h = mix(h, fn);
 		h = mix(h, priv);
 		__u32 kind = hookfn_kind(fn);
-		if (kind == MW_XN_HOOKFN_NAT)
+		if (!nested && kind == MW_XN_HOOKFN_NAT)
 			h = mix_nested(h, priv, gen);
 		else
 			h = mix_rules(h, kind, priv, gen);
 	}
 	return h;
+}
+
+/* mix_nested: the NAT chains or tables nf_nat runs from one of its hooks. */
+static __noinline __u64 mix_nested(__u64 h, __u64 priv, __u32 gen)
+{
+	if (!bpf_core_type_exists(struct nf_nat_lookup_hook_priv))
+		return h;
+	struct nf_nat_lookup_hook_priv *np = (void *)priv;
+	return mix_entries(h, read_u64(&np->entries), gen, 1);
+}
+
+static __noinline __u64 mix_list(__u64 h, __u64 list, __u32 gen)
+{
+	return mix_entries(h, list, gen, 0);
 }
 
 /*

@@ -112,116 +112,110 @@ func TestPrivilegedCrossNodeKernelCases(t *testing.T) {
 		}
 	}
 
-	for _, withAgent := range []bool{false, true} {
-		mode := "without-agent"
+	inAgentModes(t, []bool{false, true}, func(t *testing.T, withAgent bool) {
+		var pinDirs []string
 		if withAgent {
-			mode = "with-agent"
+			pinDirs = nodePinDirs(t, l)
+			startNodeAgents(t, l, pinDirs, 100*time.Millisecond)
 		}
-		t.Run(mode, func(t *testing.T) {
-			var pinDirs []string
-			if withAgent {
-				pinDirs = nodePinDirs(t, l)
-				startNodeAgents(t, l, pinDirs, 100*time.Millisecond)
+		passed := func(reasons ...string) uint64 {
+			if !withAgent {
+				return 0
 			}
-			passed := func(reasons ...string) uint64 {
-				if !withAgent {
-					return 0
-				}
-				s := crossNodeStats(t, pinDirs...)
-				var n uint64
-				for _, r := range reasons {
-					n += s.PassedPackets[r]
-				}
-				return n
+			s := crossNodeStats(t, pinDirs...)
+			var n uint64
+			for _, r := range reasons {
+				n += s.PassedPackets[r]
 			}
-			for _, f := range families {
-				t.Run(f.name, func(t *testing.T) {
-					to := netip.AddrPortFrom(f.server, udpPort)
+			return n
+		}
+		for _, f := range families {
+			t.Run(f.name, func(t *testing.T) {
+				to := netip.AddrPortFrom(f.server, udpPort)
 
-					t.Run("an expiring TTL gets time exceeded from the first node", func(t *testing.T) {
-						before := passed("ttl")
-						ee, from, err := icmpError(clientNs, f.af, to, 100, func(fd int) error { return f.setTTL(fd, 1) })
-						if err != nil {
-							t.Fatal(err)
-						}
-						if ee.Origin != f.eeOrigin || ee.Type != f.ttlType || from != f.node {
-							t.Errorf("ICMP origin %d type %d from %s, want origin %d type %d from %s", ee.Origin, ee.Type, from, f.eeOrigin, f.ttlType, f.node)
-						}
-						if withAgent && passed("ttl") == before {
-							t.Error("no packet counted as passed for ttl")
-						}
-					})
-
-					t.Run("fragments arrive reassembled", func(t *testing.T) {
-						before := passed(f.fragments...)
-						payload := bytes.Repeat([]byte{0x5a}, 3000)
-						if err := sendUDP(clientNs, f.af, to, payload, func(fd int) error { return f.dontFrag(fd, false) }); err != nil {
-							t.Fatal(err)
-						}
-						f.udp.SetReadDeadline(time.Now().Add(10 * time.Second))
-						buf := make([]byte, 65536)
-						n, _, err := f.udp.ReadFrom(buf)
-						if err != nil || !bytes.Equal(buf[:n], payload) {
-							t.Fatalf("server read %d bytes (%v), want the %d sent", n, err, len(payload))
-						}
-						if withAgent && passed(f.fragments...) == before {
-							t.Errorf("no packet counted as passed for %v", f.fragments)
-						}
-					})
-
-					t.Run("a datagram over the wire's MTU with DF set gets too big", func(t *testing.T) {
-						setWireMTU(t, wireMTU)
-						defer setWireMTU(t, defaultMTU)
-						flushPMTU(t)
-						before := passed("mtu")
-						ee, from, err := icmpError(clientNs, f.af, to, 1400, func(fd int) error { return f.dontFrag(fd, true) })
-						if err != nil {
-							t.Fatal(err)
-						}
-						if ee.Origin != f.eeOrigin || ee.Type != f.bigType || ee.Info != wireMTU || from != f.node {
-							t.Errorf("ICMP origin %d type %d mtu %d from %s, want origin %d type %d mtu %d from %s",
-								ee.Origin, ee.Type, ee.Info, from, f.eeOrigin, f.bigType, wireMTU, f.node)
-						}
-						if withAgent && passed("mtu") == before {
-							t.Error("no packet counted as passed for mtu")
-						}
-					})
-
-					t.Run("TCP across a wire with a smaller MTU finds the path MTU", func(t *testing.T) {
-						setWireMTU(t, wireMTU)
-						defer setWireMTU(t, defaultMTU)
-						flushPMTU(t)
-						network := map[int]string{unix.AF_INET: "tcp4", unix.AF_INET6: "tcp6"}[f.af]
-						addr := netip.AddrPortFrom(f.server, crossNodePort).String()
-						var before crossnode.Stats
-						if withAgent {
-							before = crossNodeStats(t, pinDirs...)
-						}
-						res := testutil.CheckIntegrity(func() (c net.Conn, err error) {
-							err = clientNs.Do(func() error { c, err = net.DialTimeout(network, addr, 30*time.Second); return err })
-							return c, err
-						}, testutil.IntegrityOptions{Conns: 4, Messages: 8, MaxSize: 64 << 10, Seed: 21})
-						if err := res.Err(); err != nil {
-							t.Fatal(err)
-						}
-						// The client learnt the wire's MTU from the node's ICMP.
-						if out := testutil.Run(t, "ip", "-n", client.Netns, "route", "get", f.server.String()); !strings.Contains(out, fmt.Sprintf("mtu %d", wireMTU)) {
-							t.Errorf("the client did not learn the path MTU %d:\n%s", wireMTU, out)
-						}
-						if withAgent {
-							after := crossNodeStats(t, pinDirs...)
-							if after.PassedPackets["mtu"] == before.PassedPackets["mtu"] {
-								t.Error("no packet counted as passed for mtu: the case did not meet the smaller MTU")
-							}
-							if after.RedirectedPackets["to_wire"] == before.RedirectedPackets["to_wire"] {
-								t.Error("nothing redirected once the path MTU was found")
-							}
-						}
-					})
+				t.Run("an expiring TTL gets time exceeded from the first node", func(t *testing.T) {
+					before := passed("ttl")
+					ee, from, err := icmpError(clientNs, f.af, to, 100, func(fd int) error { return f.setTTL(fd, 1) })
+					if err != nil {
+						t.Fatal(err)
+					}
+					if ee.Origin != f.eeOrigin || ee.Type != f.ttlType || from != f.node {
+						t.Errorf("ICMP origin %d type %d from %s, want origin %d type %d from %s", ee.Origin, ee.Type, from, f.eeOrigin, f.ttlType, f.node)
+					}
+					if withAgent && passed("ttl") == before {
+						t.Error("no packet counted as passed for ttl")
+					}
 				})
-			}
-		})
-	}
+
+				t.Run("fragments arrive reassembled", func(t *testing.T) {
+					before := passed(f.fragments...)
+					payload := bytes.Repeat([]byte{0x5a}, 3000)
+					if err := sendUDP(clientNs, f.af, to, payload, func(fd int) error { return f.dontFrag(fd, false) }); err != nil {
+						t.Fatal(err)
+					}
+					f.udp.SetReadDeadline(time.Now().Add(10 * time.Second))
+					buf := make([]byte, 65536)
+					n, _, err := f.udp.ReadFrom(buf)
+					if err != nil || !bytes.Equal(buf[:n], payload) {
+						t.Fatalf("server read %d bytes (%v), want the %d sent", n, err, len(payload))
+					}
+					if withAgent && passed(f.fragments...) == before {
+						t.Errorf("no packet counted as passed for %v", f.fragments)
+					}
+				})
+
+				t.Run("a datagram over the wire's MTU with DF set gets too big", func(t *testing.T) {
+					setWireMTU(t, wireMTU)
+					defer setWireMTU(t, defaultMTU)
+					flushPMTU(t)
+					before := passed("mtu")
+					ee, from, err := icmpError(clientNs, f.af, to, 1400, func(fd int) error { return f.dontFrag(fd, true) })
+					if err != nil {
+						t.Fatal(err)
+					}
+					if ee.Origin != f.eeOrigin || ee.Type != f.bigType || ee.Info != wireMTU || from != f.node {
+						t.Errorf("ICMP origin %d type %d mtu %d from %s, want origin %d type %d mtu %d from %s",
+							ee.Origin, ee.Type, ee.Info, from, f.eeOrigin, f.bigType, wireMTU, f.node)
+					}
+					if withAgent && passed("mtu") == before {
+						t.Error("no packet counted as passed for mtu")
+					}
+				})
+
+				t.Run("TCP across a wire with a smaller MTU finds the path MTU", func(t *testing.T) {
+					setWireMTU(t, wireMTU)
+					defer setWireMTU(t, defaultMTU)
+					flushPMTU(t)
+					network := map[int]string{unix.AF_INET: "tcp4", unix.AF_INET6: "tcp6"}[f.af]
+					addr := netip.AddrPortFrom(f.server, crossNodePort).String()
+					var before crossnode.Stats
+					if withAgent {
+						before = crossNodeStats(t, pinDirs...)
+					}
+					res := testutil.CheckIntegrity(func() (c net.Conn, err error) {
+						err = clientNs.Do(func() error { c, err = net.DialTimeout(network, addr, 30*time.Second); return err })
+						return c, err
+					}, testutil.IntegrityOptions{Conns: 4, Messages: 8, MaxSize: 64 << 10, Seed: 21})
+					if err := res.Err(); err != nil {
+						t.Fatal(err)
+					}
+					// The client learnt the wire's MTU from the node's ICMP.
+					if out := testutil.Run(t, "ip", "-n", client.Netns, "route", "get", f.server.String()); !strings.Contains(out, fmt.Sprintf("mtu %d", wireMTU)) {
+						t.Errorf("the client did not learn the path MTU %d:\n%s", wireMTU, out)
+					}
+					if withAgent {
+						after := crossNodeStats(t, pinDirs...)
+						if after.PassedPackets["mtu"] == before.PassedPackets["mtu"] {
+							t.Error("no packet counted as passed for mtu: the case did not meet the smaller MTU")
+						}
+						if after.RedirectedPackets["to_wire"] == before.RedirectedPackets["to_wire"] {
+							t.Error("nothing redirected once the path MTU was found")
+						}
+					}
+				})
+			})
+		}
+	})
 	waitIdle(t, l)
 }
 

@@ -86,6 +86,19 @@ func nodePinDirs(t *testing.T, l *Lab) []string {
 	return dirs
 }
 
+// inAgentModes runs fn as subtests "without-agent" and "with-agent", in
+// the order given: the same assertions with and without the agents.
+func inAgentModes(t *testing.T, order []bool, fn func(t *testing.T, withAgent bool)) {
+	t.Helper()
+	for _, withAgent := range order {
+		mode := "without-agent"
+		if withAgent {
+			mode = "with-agent"
+		}
+		t.Run(mode, func(t *testing.T) { fn(t, withAgent) })
+	}
+}
+
 // startNodeAgents starts one agent per node (its cgroup, its namespace),
 // checking the nodes every interval, and uninstalls them on cleanup.
 func startNodeAgents(t *testing.T, l *Lab, pinDirs []string, interval time.Duration) {
@@ -207,170 +220,164 @@ func TestPrivilegedCrossNode(t *testing.T) {
 		testutil.Run(t, "ip", append([]string{"netns", "exec", serverNode.Netns}, args...)...)
 	}
 
-	for _, withAgent := range []bool{false, true} {
-		mode := "without-agent"
+	inAgentModes(t, []bool{false, true}, func(t *testing.T, withAgent bool) {
+		var pinDirs []string
+		serverPins := ""
 		if withAgent {
-			mode = "with-agent"
-		}
-		t.Run(mode, func(t *testing.T) {
-			var pinDirs []string
-			serverPins := ""
-			if withAgent {
-				pinDirs = nodePinDirs(t, l)
-				serverPins = pinDirs[server.Node]
-				startNodeAgents(t, l, pinDirs, 100*time.Millisecond)
-				s := crossNodeStats(t, pinDirs...)
-				if s.Devices != 4 || len(s.Nodes) != 2 {
-					t.Fatalf("agents attached to %d devices in %d nodes, want 4 (pod port and wire in each) in 2", s.Devices, len(s.Nodes))
-				}
-				for _, n := range s.Nodes {
-					if !n.Verified || !n.IPv4 || !n.IPv6 {
-						t.Fatalf("node %+v: want verified with both families on (no netfilter rules in the lab's nodes)", n)
-					}
+			pinDirs = nodePinDirs(t, l)
+			serverPins = pinDirs[server.Node]
+			startNodeAgents(t, l, pinDirs, 100*time.Millisecond)
+			s := crossNodeStats(t, pinDirs...)
+			if s.Devices != 4 || len(s.Nodes) != 2 {
+				t.Fatalf("agents attached to %d devices in %d nodes, want 4 (pod port and wire in each) in 2", s.Devices, len(s.Nodes))
+			}
+			for _, n := range s.Nodes {
+				if !n.Verified || !n.IPv4 || !n.IPv6 {
+					t.Fatalf("node %+v: want verified with both families on (no netfilter rules in the lab's nodes)", n)
 				}
 			}
+		}
 
-			t.Run("bytes intact across nodes, ipv4 through both sidecars and ipv6 direct", func(t *testing.T) {
-				var before crossnode.Stats
-				if withAgent {
-					before = crossNodeStats(t, pinDirs...)
-				}
-				srcBefore := rec.snapshot()
-				var sent int64
-				for _, tc := range []struct{ network, addr string }{{"tcp4", v4}, {"tcp6", v6}} {
-					res := testutil.CheckIntegrity(dialer(tc.network, tc.addr), crossNodeIntegrityOpts)
-					t.Logf("%s %s: %d conns, sent %d bytes, echoed %d", tc.network, tc.addr, res.Conns, res.BytesSent, res.BytesEcho)
-					if err := res.Err(); err != nil {
-						t.Errorf("%s: %v", tc.addr, err)
-					}
-					sent += res.BytesSent
-				}
-				if r := echo.Resets.Load(); r != 0 {
-					t.Errorf("the server app saw %d connections end in an error", r)
-				}
-				// Istio's capture still sees every IPv4 connection: the app
-				// accepts them from the inbound sidecar.
-				src := rec.snapshot()
-				n := crossNodeIntegrityOpts.Conns
-				if d := src[netip.MustParseAddr(InboundSource)] - srcBefore[netip.MustParseAddr(InboundSource)]; d != n {
-					t.Errorf("app accepted %d IPv4 connections from the inbound sidecar, want %d (capture must still apply)", d, n)
-				}
-				if d := src[client.IP6] - srcBefore[client.IP6]; d != n {
-					t.Errorf("app accepted %d IPv6 connections from the client %s, want %d", d, client.IP6, n)
-				}
-				if !withAgent {
-					return
-				}
-				after := crossNodeStats(t, pinDirs...)
-				for _, dir := range crossnode.DirectionNames() {
-					got := after.RedirectedBytes[dir] - before.RedirectedBytes[dir]
-					t.Logf("redirected %s: %d packets, %d bytes", dir, after.RedirectedPackets[dir]-before.RedirectedPackets[dir], got)
-					// Each payload byte crosses the wire twice (there and
-					// echoed), once through each direction's program.
-					if got < uint64(2*sent) {
-						t.Errorf("redirected %s %d bytes, want >= %d (every payload byte, both ways)", dir, got, 2*sent)
-					}
-				}
-				t.Logf("passed: %v", after.PassedPackets)
-
-				// The same counters as users read them: /metrics and `meshwarp status`.
-				srv := httptest.NewServer(metrics.Handler(func() (accel.Stats, error) { return accel.ReadPinnedStats(serverPins) }, nil))
-				defer srv.Close()
-				resp, err := srv.Client().Get(srv.URL + "/metrics")
-				if err != nil {
-					t.Fatal(err)
-				}
-				body, _ := io.ReadAll(resp.Body)
-				resp.Body.Close()
-				for _, re := range []string{
-					`meshwarp_crossnode_redirected_packets_total\{direction="to_pod"\} [1-9]`,
-					`meshwarp_crossnode_redirected_bytes_total\{direction="to_wire"\} [1-9]`,
-					`meshwarp_crossnode_passed_packets_total\{reason="netfilter"\} 0`,
-					fmt.Sprintf(`meshwarp_crossnode_redirect_enabled\{family="ipv6",netns_cookie="%d"\} 1`, serverCookie),
-				} {
-					if !regexp.MustCompile(re).Match(body) {
-						t.Errorf("/metrics lacks %s", re)
-					}
-				}
-				out, err := exec.Command(testutil.MeshwarpBinary(t), "status", "--pin-dir", serverPins).CombinedOutput()
-				if err != nil {
-					t.Fatalf("meshwarp status: %v\n%s", err, out)
-				}
-				for _, want := range []string{"cross-node forwarding (2 devices)", "redirected to_pod", fmt.Sprintf("node %s (netns cookie %d)", l.Nodes()[server.Node].Netns, serverCookie), "ipv4 on, ipv6 on"} {
-					if !strings.Contains(string(out), want) {
-						t.Errorf("meshwarp status lacks %q:\n%s", want, out)
-					}
-				}
-			})
-
-			t.Run("an ip6tables FORWARD drop on the server's node is obeyed", func(t *testing.T) {
-				rule := []string{"ip6tables", "-w", "FORWARD", "-p", "tcp", "--dport", fmt.Sprint(crossNodePort), "-j", "DROP"}
-				inNode(t, append([]string{rule[0], rule[1], "-I"}, rule[2:]...)...)
-				removed := false
-				remove := func() {
-					if !removed {
-						removed = true
-						inNode(t, append([]string{rule[0], rule[1], "-D"}, rule[2:]...)...)
-					}
-				}
-				defer remove()
-				var before crossnode.Stats
-				if withAgent {
-					waitNodeState(t, serverPins, serverCookie, "turned IPv6 off", func(n crossnode.NodeState) bool { return n.Verified && !n.IPv6 && n.IPv4 })
-					before = crossNodeStats(t, serverPins)
-				}
-				if err := echoOnce(clientNs, "tcp6", v6, []byte("dropped\n"), 2*time.Second); err == nil {
-					t.Error("an IPv6 connection passed the node's FORWARD DROP rule")
-				}
-				if err := echoOnce(clientNs, "tcp4", v4, []byte("ipv4 unaffected\n"), 10*time.Second); err != nil {
-					t.Errorf("IPv4 (not matched by ip6tables): %v", err)
-				}
-				if withAgent {
-					if d := crossNodeStats(t, serverPins).PassedPackets["netfilter"] - before.PassedPackets["netfilter"]; d == 0 {
-						t.Error("no packet counted as passed for netfilter")
-					}
-				}
-				remove()
-				if withAgent {
-					waitNodeState(t, serverPins, serverCookie, "turned IPv6 back on", func(n crossnode.NodeState) bool { return n.Verified && n.IPv6 })
-				}
-				if err := echoOnce(clientNs, "tcp6", v6, []byte("allowed again\n"), 10*time.Second); err != nil {
-					t.Errorf("IPv6 after the rule went: %v", err)
-				}
-			})
-
-			t.Run("a DNAT rule on the server's node is applied", func(t *testing.T) {
-				// Only DNAT makes :9077 reach the app: a packet that skipped
-				// it would reach the pod's sidecar for a port nobody serves.
-				rule := []string{"iptables", "-w", "-t", "nat", "PREROUTING", "-d", server.IP.String(), "-p", "tcp", "--dport", "9077",
-					"-j", "DNAT", "--to-destination", fmt.Sprintf("%s:%d", server.IP, crossNodePort)}
-				inNode(t, append([]string{rule[0], rule[1], rule[2], rule[3], "-A"}, rule[4:]...)...)
-				removed := false
-				remove := func() {
-					if !removed {
-						removed = true
-						inNode(t, append([]string{rule[0], rule[1], rule[2], rule[3], "-D"}, rule[4:]...)...)
-					}
-				}
-				defer remove()
-				if withAgent {
-					waitNodeState(t, serverPins, serverCookie, "turned IPv4 off", func(n crossnode.NodeState) bool { return n.Verified && !n.IPv4 && n.IPv6 })
-				}
-				to := netip.AddrPortFrom(server.IP, 9077).String()
-				if err := echoOnce(clientNs, "tcp4", to, []byte("through the node's DNAT\n"), 10*time.Second); err != nil {
-					t.Errorf("echo through the node's DNAT rule: %v", err)
-				}
-				res := testutil.CheckIntegrity(dialer("tcp4", to), testutil.IntegrityOptions{Conns: 4, Messages: 4, MaxSize: 16 << 10, Seed: 9})
+		t.Run("bytes intact across nodes, ipv4 through both sidecars and ipv6 direct", func(t *testing.T) {
+			var before crossnode.Stats
+			if withAgent {
+				before = crossNodeStats(t, pinDirs...)
+			}
+			srcBefore := rec.snapshot()
+			var sent int64
+			for _, tc := range []struct{ network, addr string }{{"tcp4", v4}, {"tcp6", v6}} {
+				res := testutil.CheckIntegrity(dialer(tc.network, tc.addr), crossNodeIntegrityOpts)
+				t.Logf("%s %s: %d conns, sent %d bytes, echoed %d", tc.network, tc.addr, res.Conns, res.BytesSent, res.BytesEcho)
 				if err := res.Err(); err != nil {
-					t.Error(err)
+					t.Errorf("%s: %v", tc.addr, err)
 				}
-				remove()
-				if withAgent {
-					waitNodeState(t, serverPins, serverCookie, "turned IPv4 back on", func(n crossnode.NodeState) bool { return n.Verified && n.IPv4 })
+				sent += res.BytesSent
+			}
+			if r := echo.Resets.Load(); r != 0 {
+				t.Errorf("the server app saw %d connections end in an error", r)
+			}
+			// Istio's capture still sees every IPv4 connection: the app
+			// accepts them from the inbound sidecar.
+			src := rec.snapshot()
+			n := crossNodeIntegrityOpts.Conns
+			if d := src[netip.MustParseAddr(InboundSource)] - srcBefore[netip.MustParseAddr(InboundSource)]; d != n {
+				t.Errorf("app accepted %d IPv4 connections from the inbound sidecar, want %d (capture must still apply)", d, n)
+			}
+			if d := src[client.IP6] - srcBefore[client.IP6]; d != n {
+				t.Errorf("app accepted %d IPv6 connections from the client %s, want %d", d, client.IP6, n)
+			}
+			if !withAgent {
+				return
+			}
+			after := crossNodeStats(t, pinDirs...)
+			for _, dir := range crossnode.DirectionNames() {
+				got := after.RedirectedBytes[dir] - before.RedirectedBytes[dir]
+				t.Logf("redirected %s: %d packets, %d bytes", dir, after.RedirectedPackets[dir]-before.RedirectedPackets[dir], got)
+				// Each payload byte crosses the wire twice (there and
+				// echoed), once through each direction's program.
+				if got < uint64(2*sent) {
+					t.Errorf("redirected %s %d bytes, want >= %d (every payload byte, both ways)", dir, got, 2*sent)
 				}
-			})
+			}
+			t.Logf("passed: %v", after.PassedPackets)
+
+			// The same counters as users read them: /metrics and `meshwarp status`.
+			srv := httptest.NewServer(metrics.Handler(func() (accel.Stats, error) { return accel.ReadPinnedStats(serverPins) }, nil))
+			defer srv.Close()
+			resp, err := srv.Client().Get(srv.URL + "/metrics")
+			if err != nil {
+				t.Fatal(err)
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			for _, re := range []string{
+				`meshwarp_crossnode_redirected_packets_total\{direction="to_pod"\} [1-9]`,
+				`meshwarp_crossnode_redirected_bytes_total\{direction="to_wire"\} [1-9]`,
+				`meshwarp_crossnode_passed_packets_total\{reason="netfilter"\} 0`,
+				fmt.Sprintf(`meshwarp_crossnode_redirect_enabled\{family="ipv6",netns_cookie="%d"\} 1`, serverCookie),
+			} {
+				if !regexp.MustCompile(re).Match(body) {
+					t.Errorf("/metrics lacks %s", re)
+				}
+			}
+			out, err := exec.Command(testutil.MeshwarpBinary(t), "status", "--pin-dir", serverPins).CombinedOutput()
+			if err != nil {
+				t.Fatalf("meshwarp status: %v\n%s", err, out)
+			}
+			for _, want := range []string{"cross-node forwarding (2 devices)", "redirected to_pod", fmt.Sprintf("node %s (netns cookie %d)", l.Nodes()[server.Node].Netns, serverCookie), "ipv4 on, ipv6 on"} {
+				if !strings.Contains(string(out), want) {
+					t.Errorf("meshwarp status lacks %q:\n%s", want, out)
+				}
+			}
 		})
-	}
+
+		t.Run("an ip6tables FORWARD drop on the server's node is obeyed", func(t *testing.T) {
+			rule := []string{"ip6tables", "-w", "FORWARD", "-p", "tcp", "--dport", fmt.Sprint(crossNodePort), "-j", "DROP"}
+			inNode(t, append([]string{rule[0], rule[1], "-I"}, rule[2:]...)...)
+			removed := false
+			remove := func() {
+				if !removed {
+					removed = true
+					inNode(t, append([]string{rule[0], rule[1], "-D"}, rule[2:]...)...)
+				}
+			}
+			defer remove()
+			var before crossnode.Stats
+			if withAgent {
+				waitNodeState(t, serverPins, serverCookie, "turned IPv6 off", func(n crossnode.NodeState) bool { return n.Verified && !n.IPv6 && n.IPv4 })
+				before = crossNodeStats(t, serverPins)
+			}
+			if err := echoOnce(clientNs, "tcp6", v6, []byte("dropped\n"), 2*time.Second); err == nil {
+				t.Error("an IPv6 connection passed the node's FORWARD DROP rule")
+			}
+			if err := echoOnce(clientNs, "tcp4", v4, []byte("ipv4 unaffected\n"), 10*time.Second); err != nil {
+				t.Errorf("IPv4 (not matched by ip6tables): %v", err)
+			}
+			if withAgent {
+				if d := crossNodeStats(t, serverPins).PassedPackets["netfilter"] - before.PassedPackets["netfilter"]; d == 0 {
+					t.Error("no packet counted as passed for netfilter")
+				}
+			}
+			remove()
+			if withAgent {
+				waitNodeState(t, serverPins, serverCookie, "turned IPv6 back on", func(n crossnode.NodeState) bool { return n.Verified && n.IPv6 })
+			}
+			if err := echoOnce(clientNs, "tcp6", v6, []byte("allowed again\n"), 10*time.Second); err != nil {
+				t.Errorf("IPv6 after the rule went: %v", err)
+			}
+		})
+
+		t.Run("a DNAT rule on the server's node is applied", func(t *testing.T) {
+			// Only DNAT makes :9077 reach the app: a packet that skipped
+			// it would reach the pod's sidecar for a port nobody serves.
+			rule := []string{"iptables", "-w", "-t", "nat", "PREROUTING", "-d", server.IP.String(), "-p", "tcp", "--dport", "9077",
+				"-j", "DNAT", "--to-destination", fmt.Sprintf("%s:%d", server.IP, crossNodePort)}
+			inNode(t, append([]string{rule[0], rule[1], rule[2], rule[3], "-A"}, rule[4:]...)...)
+			removed := false
+			remove := func() {
+				if !removed {
+					removed = true
+					inNode(t, append([]string{rule[0], rule[1], rule[2], rule[3], "-D"}, rule[4:]...)...)
+				}
+			}
+			defer remove()
+			if withAgent {
+				waitNodeState(t, serverPins, serverCookie, "turned IPv4 off", func(n crossnode.NodeState) bool { return n.Verified && !n.IPv4 && n.IPv6 })
+			}
+			to := netip.AddrPortFrom(server.IP, 9077).String()
+			if err := echoOnce(clientNs, "tcp4", to, []byte("through the node's DNAT\n"), 10*time.Second); err != nil {
+				t.Errorf("echo through the node's DNAT rule: %v", err)
+			}
+			res := testutil.CheckIntegrity(dialer("tcp4", to), testutil.IntegrityOptions{Conns: 4, Messages: 4, MaxSize: 16 << 10, Seed: 9})
+			if err := res.Err(); err != nil {
+				t.Error(err)
+			}
+			remove()
+			if withAgent {
+				waitNodeState(t, serverPins, serverCookie, "turned IPv4 back on", func(n crossnode.NodeState) bool { return n.Verified && n.IPv4 })
+			}
+		})
+	})
 	waitIdle(t, l)
 }
 
@@ -562,62 +569,56 @@ func TestPrivilegedCrossNodeNetfilterAtOnce(t *testing.T) {
 					append([]string{"-t", "nat", "-D"}, dnat...), natPort, false},
 				change{"a DNAT in a chain the node has", append([]string{"-t", "nat", "-A"}, dnat...),
 					append([]string{"-t", "nat", "-D"}, dnat...), natPort, false})
-			for _, withAgent := range []bool{true, false} {
-				mode := "without-agent"
-				if withAgent {
-					mode = "with-agent"
+			inAgentModes(t, []bool{true, false}, func(t *testing.T, withAgent bool) {
+				for _, c := range cases {
+					t.Run(c.name, func(t *testing.T) {
+						nodeRules := func(args []string) {
+							testutil.Run(t, "ip", append([]string{"netns", "exec", serverNode.Netns, f.tool, "-w"}, args...)...)
+						}
+						direct := netip.AddrPortFrom(netip.MustParseAddr(addr), crossNodePort).String()
+						target := netip.AddrPortFrom(netip.MustParseAddr(addr), uint16(c.port)).String()
+						var pinDirs []string
+						var before crossnode.Stats
+						if withAgent {
+							pinDirs = nodePinDirs(t, l)
+							startNodeAgents(t, l, pinDirs, time.Hour)
+							start := crossNodeStats(t, pinDirs...)
+							if err := echoOnce(clientNs, f.network, direct, []byte("redirected\n"), 10*time.Second); err != nil {
+								t.Fatalf("before the change: %v", err)
+							}
+							before = crossNodeStats(t, pinDirs...)
+							if before.RedirectedPackets["to_pod"] == start.RedirectedPackets["to_pod"] {
+								t.Fatalf("nothing was redirected before the change (passed %v): the case would prove nothing", before.PassedPackets)
+							}
+						}
+						nodeRules(c.do)
+						undone := false
+						undo := func() {
+							if !undone {
+								undone = true
+								nodeRules(c.undo)
+							}
+						}
+						defer undo()
+						err := echoOnce(clientNs, f.network, target, []byte("right after the change\n"), 2*time.Second)
+						if c.refused && err == nil {
+							t.Errorf("a new connection passed %s the node had just got", c.name)
+						}
+						if !c.refused && err != nil {
+							t.Errorf("%s the node had just got was not applied: %v", c.name, err)
+						}
+						if withAgent {
+							if d := crossNodeStats(t, pinDirs...).PassedPackets["netfilter"] - before.PassedPackets["netfilter"]; d == 0 {
+								t.Error("no packet counted as passed for netfilter")
+							}
+						}
+						undo()
+						if err := echoOnce(clientNs, f.network, direct, []byte("after the change went\n"), 10*time.Second); err != nil {
+							t.Errorf("after the change went: %v", err)
+						}
+					})
 				}
-				t.Run(mode, func(t *testing.T) {
-					for _, c := range cases {
-						t.Run(c.name, func(t *testing.T) {
-							nodeRules := func(args []string) {
-								testutil.Run(t, "ip", append([]string{"netns", "exec", serverNode.Netns, f.tool, "-w"}, args...)...)
-							}
-							direct := netip.AddrPortFrom(netip.MustParseAddr(addr), crossNodePort).String()
-							target := netip.AddrPortFrom(netip.MustParseAddr(addr), uint16(c.port)).String()
-							var pinDirs []string
-							var before crossnode.Stats
-							if withAgent {
-								pinDirs = nodePinDirs(t, l)
-								startNodeAgents(t, l, pinDirs, time.Hour)
-								start := crossNodeStats(t, pinDirs...)
-								if err := echoOnce(clientNs, f.network, direct, []byte("redirected\n"), 10*time.Second); err != nil {
-									t.Fatalf("before the change: %v", err)
-								}
-								before = crossNodeStats(t, pinDirs...)
-								if before.RedirectedPackets["to_pod"] == start.RedirectedPackets["to_pod"] {
-									t.Fatalf("nothing was redirected before the change (passed %v): the case would prove nothing", before.PassedPackets)
-								}
-							}
-							nodeRules(c.do)
-							undone := false
-							undo := func() {
-								if !undone {
-									undone = true
-									nodeRules(c.undo)
-								}
-							}
-							defer undo()
-							err := echoOnce(clientNs, f.network, target, []byte("right after the change\n"), 2*time.Second)
-							if c.refused && err == nil {
-								t.Errorf("a new connection passed %s the node had just got", c.name)
-							}
-							if !c.refused && err != nil {
-								t.Errorf("%s the node had just got was not applied: %v", c.name, err)
-							}
-							if withAgent {
-								if d := crossNodeStats(t, pinDirs...).PassedPackets["netfilter"] - before.PassedPackets["netfilter"]; d == 0 {
-									t.Error("no packet counted as passed for netfilter")
-								}
-							}
-							undo()
-							if err := echoOnce(clientNs, f.network, direct, []byte("after the change went\n"), 10*time.Second); err != nil {
-								t.Errorf("after the change went: %v", err)
-							}
-						})
-					}
-				})
-			}
+			})
 		})
 	}
 	waitIdle(t, l)
