@@ -84,7 +84,9 @@ attached). Counters are cumulative across agent restarts.
                           namespace (netns cookie; named "host" or as in /run/netns when
                           found) whether the agent's check is current
                           (verified) and which families it redirects (netfilter rules in
-                          the node's forwarding hooks, or IPv4 rp_filter, turn a family off)`,
+                          the node's forwarding hooks, or IPv4 rp_filter, turn a family off;
+                          ipv4_blocked_by / ipv6_blocked_by list them, read from the node
+                          when status runs)`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			s, err := accel.ReadPinnedStats(pinDir)
@@ -96,6 +98,7 @@ attached). Counters are cumulative across agent restarts.
 			}
 			if s.CrossNode != nil {
 				s.CrossNode.NameNodes()
+				s.CrossNode.Explain(cmd.Context())
 			}
 			if asJSON {
 				enc := json.NewEncoder(cmd.OutOrStdout())
@@ -209,6 +212,14 @@ func printCrossNode(w io.Writer, x *crossnode.Stats) {
 			name = fmt.Sprintf("%s (netns cookie %d)", n.Netns, n.NetnsCookie)
 		}
 		fmt.Fprintf(tw, "  node %s\t%s; ipv4 %s, ipv6 %s\n", name, state, labOnOff(n.IPv4), labOnOff(n.IPv6))
+		for _, b := range []struct {
+			fam string
+			by  []string
+		}{{"ipv4", n.IPv4BlockedBy}, {"ipv6", n.IPv6BlockedBy}} {
+			for _, why := range b.by {
+				fmt.Fprintf(tw, "    %s off:\t%s\n", b.fam, why)
+			}
+		}
 	}
 	tw.Flush()
 }

@@ -50,6 +50,9 @@ type NodeState struct {
 	// way of redirecting that family.
 	IPv4 bool `json:"ipv4"`
 	IPv6 bool `json:"ipv6"`
+	// IPv4BlockedBy and IPv6BlockedBy: what keeps a family off (Explain).
+	IPv4BlockedBy []string `json:"ipv4_blocked_by,omitempty"`
+	IPv6BlockedBy []string `json:"ipv6_blocked_by,omitempty"`
 }
 
 // Reason and direction names come from the C enums in the object's BTF

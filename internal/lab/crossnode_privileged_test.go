@@ -326,6 +326,11 @@ func TestPrivilegedCrossNode(t *testing.T) {
 			if withAgent {
 				waitNodeState(t, serverPins, serverCookie, "turned IPv6 off", func(n crossnode.NodeState) bool { return n.Verified && !n.IPv6 && n.IPv4 })
 				before = crossNodeStats(t, serverPins)
+				// status says why.
+				out, err := exec.Command(testutil.MeshwarpBinary(t), "status", "--pin-dir", serverPins).CombinedOutput()
+				if err != nil || !regexp.MustCompile(`ipv6 off:\s+nft ip6 filter FORWARD: 1 rule`).Match(out) {
+					t.Errorf("meshwarp status does not say which rule keeps IPv6 off (%v):\n%s", err, out)
+				}
 			}
 			if err := echoOnce(clientNs, "tcp6", v6, []byte("dropped\n"), 2*time.Second); err == nil {
 				t.Error("an IPv6 connection passed the node's FORWARD DROP rule")
