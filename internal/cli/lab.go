@@ -139,6 +139,9 @@ func newLabStatusCommand() *cobra.Command {
 		Short: "Show the lab: namespaces, pods and IPs, processes, capture on/off",
 		Long: `status reads the running lab: namespaces, pods with their IPs, whether each
 process is alive, and whether the capture rules are installed in each pod.
+With two nodes it also names each node's cgroup and prints the two agent
+commands to run, one per node (its namespace, cgroup, pin directory and
+metrics port), as on separate machines.
 
 Exit status: 0 the lab is up and healthy, 1 it is down or something is wrong
 (listed under problems).`,
