@@ -605,7 +605,12 @@ func TestPrivilegedCrossNodeNetfilterAtOnce(t *testing.T) {
 							}
 						}
 						defer undo()
-						err := echoOnce(clientNs, f.network, target, []byte("right after the change\n"), 2*time.Second)
+						// A dropped connection is given 2 s; one that must work, 10 s.
+						timeout := 10 * time.Second
+						if c.refused {
+							timeout = 2 * time.Second
+						}
+						err := echoOnce(clientNs, f.network, target, []byte("right after the change\n"), timeout)
 						if c.refused && err == nil {
 							t.Errorf("a new connection passed %s the node had just got", c.name)
 						}
