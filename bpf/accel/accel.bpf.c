@@ -407,20 +407,39 @@ static __always_inline bool policy_excludes(const struct mw_endpoint *ep)
 }
 
 /*
- * Why this socket must not be paired, whatever its peer: 0 if none.
+ * Why this socket must not be paired, whatever its peer: 0 if none. Read at
+ * ESTABLISHED, before the first byte, so options set before connect() or
+ * inherited from the listener keep the connection on TCP from the start.
  * TCP_REPAIR: its owner chose its sequence numbers (no handshake), so they
- * prove nothing. SO_RCVLOWAT > 1: tcp_bpf's recvmsg ignores the low mark.
+ * prove nothing. The rest are options tcp_bpf's recvmsg/sendmsg do not
+ * honour (net/ipv4/tcp_bpf.c): SO_RCVLOWAT > 1, SO_PEEK_OFF, TCP_INQ,
+ * receive timestamps and SO_TIMESTAMPING, SO_ZEROCOPY.
  */
 static __always_inline __u32 socket_unfit(struct bpf_sock *sk)
 {
 	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	struct sock *s;
+	__u64 flags;
 
 	if (!tp)
 		return MW_REASON_TCP_REPAIR;
 	if (BPF_CORE_READ_BITFIELD(tp, repair))
 		return MW_REASON_TCP_REPAIR;
-	if (tp->inet_conn.icsk_inet.sk.sk_rcvlowat > 1)
+	s = &tp->inet_conn.icsk_inet.sk;
+	if (s->sk_rcvlowat > 1)
 		return MW_REASON_RCVLOWAT;
+	if (s->sk_peek_off >= 0)
+		return MW_REASON_PEEK_OFF;
+	if (BPF_CORE_READ_BITFIELD(tp, recvmsg_inq))
+		return MW_REASON_TCP_INQ;
+	flags = s->__sk_common.skc_flags;
+	if (flags & (1ULL << bpf_core_enum_value(enum sock_flags, SOCK_ZEROCOPY)))
+		return MW_REASON_ZEROCOPY;
+	if ((flags & ((1ULL << bpf_core_enum_value(enum sock_flags, SOCK_RCVTSTAMP)) |
+		      (1ULL << bpf_core_enum_value(enum sock_flags, SOCK_RCVTSTAMPNS)) |
+		      (1ULL << bpf_core_enum_value(enum sock_flags, SOCK_TIMESTAMPING_RX_SOFTWARE)))) ||
+	    BPF_CORE_READ_BITFIELD(s, sk_tsflags))
+		return MW_REASON_TIMESTAMP;
 	return 0;
 }
 
@@ -503,13 +522,15 @@ static __always_inline void want_state_cb(struct bpf_sock_ops *skops, __u32 flag
 }
 
 /*
- * For a socket in mw_sock_hash: STATE_CB (the close) and WRITE_HDR_OPT_CB, a
- * callback (HDR_OPT_LEN_CB) for each TCP packet the socket sends, where it
- * leaves mw_sock_hash once its connection went to TCP (on_leave_check). A
- * paired connection sends no TCP packets while it redirects, so this costs
- * nothing until then.
+ * For a socket in mw_sock_hash: STATE_CB (the close), and a callback for
+ * each TCP packet the socket sends (WRITE_HDR_OPT_CB: HDR_OPT_LEN_CB) or
+ * receives (PARSE_ALL_HDR_OPT_CB: PARSE_HDR_OPT_CB), where it leaves
+ * mw_sock_hash once it will not redirect any more (on_leave_check). A paired
+ * connection sends and receives no TCP packets while it redirects, so this
+ * costs nothing until then.
  */
-#define MW_CB_FLAGS (BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG)
+#define MW_CB_FLAGS                                                                                \
+	(BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG | BPF_SOCK_OPS_PARSE_ALL_HDR_OPT_CB_FLAG)
 
 static __always_inline void want_callbacks(struct bpf_sock_ops *skops, __u32 flags)
 {
@@ -941,14 +962,23 @@ static __always_inline __u32 dir_index(__u32 role)
 	return role == MW_ROLE_ACTIVE ? 0 : 1;
 }
 
+/* References on sk's psock (0 without one): mw_sock_hash holds one, each running sendmsg/recvmsg one. */
+static __always_inline __u32 psock_refs(struct sock *sk)
+{
+	struct sk_psock *psock = psock_of(sk);
+
+	return psock ? BPF_CORE_READ(psock, refcnt.refs.counter) : 0;
+}
+
 /*
  * Nothing the peer redirected can still be on its way to us, nor come later:
  * its direction is on TCP (its sk_msg program passes from now on) and no
  * sendmsg of it that decided to redirect is still running. NEVER: it never
- * redirected. Else every tcp_bpf sendmsg holds a reference on its psock from
- * start to end (redirect included), so a psock that is gone, or held by
- * mw_sock_hash alone, has none running. A probe read after the peer was
- * freed is harmless: a closed peer has no sendmsg running either.
+ * redirected; DRAINED: it switched when nothing of it was in flight. Else
+ * every tcp_bpf sendmsg holds a reference on its psock from start to end
+ * (redirect included), so a psock that is gone, or held by mw_sock_hash
+ * alone, has none running. A probe read after the peer was freed is
+ * harmless: a closed peer has no sendmsg running either.
  */
 static __always_inline bool peer_quiet(const struct mw_conn *c, __u32 peer_dir)
 {
@@ -957,7 +987,7 @@ static __always_inline bool peer_quiet(const struct mw_conn *c, __u32 peer_dir)
 	struct sk_psock *psock;
 	__u32 d = c->dir[peer_dir & 1];
 
-	if (d == MW_DIR_NEVER)
+	if (d == MW_DIR_NEVER || d == MW_DIR_DRAINED)
 		return true;
 	if (d != MW_DIR_TCP || !peer)
 		return false;
@@ -973,44 +1003,83 @@ static __always_inline bool peer_quiet(const struct mw_conn *c, __u32 peer_dir)
 }
 
 /*
- * HDR_OPT_LEN_CB (the socket sends a TCP packet). A socket whose connection
- * went to TCP leaves mw_sock_hash, which restores the plain TCP socket
- * (tcp_sendmsg, native FIONREAD), once that cannot lose a byte: its own
- * direction passes, the peer is quiet (peer_quiet) and its redirect queue is
- * empty (the kernel frees what is queued when the psock goes). Until then it
- * asks again with the next packet. Sockets with nothing left to decide stop
- * the callbacks.
+ * Whether this socket's own direction may go to TCP now without its peer
+ * ever seeing two queues: the peer has read everything this socket
+ * redirected (its psock queue is empty) and nothing more is on its way
+ * (refs: the references this socket's psock holds when no other sendmsg of
+ * it runs: 2 from its own sk_msg, 1 from a sock_ops callback). Only this
+ * socket redirects into its peer, so an empty queue stays empty.
  */
-static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bpf_sock *sk, __u32 cb_flags)
+static __always_inline bool own_dir_drained(const struct mw_conn *c, __u32 me, struct sock *self, __u32 refs)
+{
+	__u64 peer = me == 0 ? c->passive_sk : c->active_sk;
+
+	if (c->dir[me & 1] == MW_DIR_NEVER || c->dir[me & 1] == MW_DIR_DRAINED)
+		return true;
+	return psock_refs(self) == refs && peer_backlog(peer) == 0;
+}
+
+static __always_inline void stop_leave_checks(struct bpf_sock_ops *skops, __u32 cb_flags)
+{
+	__u32 mask = BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG | BPF_SOCK_OPS_PARSE_ALL_HDR_OPT_CB_FLAG;
+
+	if (cb_flags & mask)
+		bpf_sock_ops_cb_flags_set(skops, cb_flags & ~mask);
+}
+
+/*
+ * HDR_OPT_LEN_CB (the socket sends a TCP packet) and PARSE_HDR_OPT_CB (it
+ * received one; the callback runs before the segment's bytes are queued). A
+ * socket that will not (or no longer) redirect leaves mw_sock_hash, which
+ * restores the plain TCP socket (tcp_sendmsg, native FIONREAD, PEEK,
+ * SO_PEEK_OFF ...), once that cannot lose or reorder a byte:
+ *  - its connection is PASSTHROUGH: it never was a redirect target;
+ *  - PENDING and a segment arrives (the active side only is in the hash):
+ *    the peer sends by TCP, so it is no local peer of ours: PASSTHROUGH;
+ *  - PAIRED and gone to TCP: the peer will never redirect to it again
+ *    (peer_quiet), its own redirect queue is empty (the kernel frees what is
+ *    queued when the psock goes), and its own direction is drained.
+ * Receiving, it leaves before the first TCP byte lands, so a reader never
+ * sees two queues. Until then it asks again with the next packet either
+ * way. Sockets with nothing left to decide stop the callbacks.
+ */
+static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bpf_sock *sk, __u32 cb_flags,
+					   bool receiving)
 {
 	struct mw_sk_state *st = bpf_sk_storage_get(&mw_sk_store, sk, 0, 0);
 	struct mw_sock_key key;
 	struct mw_counters *cnt;
 	struct tcp_sock *tp;
 	struct mw_conn *c;
-	__u32 me, d;
+	__u32 me, reason;
 
 	if (!st || st->left || !st->role)
 		goto done;
 	c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
-	if (!c || c->state == MW_CONN_PASSTHROUGH)
+	if (!c)
+		goto done; /* the active side closed: nothing is redirected to us any more */
+	if (c->state == MW_CONN_PENDING && receiving)
+		conn_passthrough(c, MW_REASON_NO_PEER);
+	key = st->peer;
+	key.role = st->role;
+	if (c->state == MW_CONN_PASSTHROUGH) {
+		remove_socket(&key, c->reason);
 		goto done;
+	}
 	if (c->state != MW_CONN_PAIRED || !c->to_tcp)
 		return;
 	me = dir_index(st->role);
-	d = c->dir[me];
-	if (d != MW_DIR_TCP && d != MW_DIR_NEVER)
-		return;
 	if (!peer_quiet(c, 1 - me))
 		return;
 	tp = bpf_skc_to_tcp_sock(sk);
 	if (!tp || redirect_backlog((struct sock *)tp))
 		return;
-	key = st->peer;
-	key.role = st->role;
+	/* Sending, our own sendmsg holds a reference; receiving in softirq, none does. */
+	if (!own_dir_drained(c, me, (struct sock *)tp, receiving ? 1 : 2))
+		return;
+	c->dir[me] = MW_DIR_DRAINED;
+	reason = c->to_tcp_reason;
 	if (bpf_map_delete_elem(&mw_sock_hash, &key) == 0) {
-		__u32 reason = c->to_tcp_reason;
-
 		cnt = counters();
 		if (cnt) {
 			cnt->sockets_left++;
@@ -1021,8 +1090,7 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 	st->left = 1;
 	st->paired = 0;
 done:
-	if (cb_flags & BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG)
-		bpf_sock_ops_cb_flags_set(skops, cb_flags & ~BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG);
+	stop_leave_checks(skops, cb_flags);
 }
 
 static __always_inline void on_close(struct bpf_sock *sk)
@@ -1101,7 +1169,10 @@ int mw_sockops(struct bpf_sock_ops *skops)
 			on_passive_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
 		break;
 	case BPF_SOCK_OPS_HDR_OPT_LEN_CB:
-		on_leave_check(skops, sk, cb_flags);
+		on_leave_check(skops, sk, cb_flags, false);
+		break;
+	case BPF_SOCK_OPS_PARSE_HDR_OPT_CB:
+		on_leave_check(skops, sk, cb_flags, true);
 		break;
 	case BPF_SOCK_OPS_STATE_CB:
 		if (new_state != BPF_TCP_CLOSE)
@@ -1288,25 +1359,48 @@ static __always_inline void tap_record(struct sk_msg_md *msg, struct mw_sk_state
 static __always_inline void tap_record(struct sk_msg_md *msg, struct mw_sk_state *st, __u32 size) {}
 #endif
 
-/*
- * This side's direction continues on TCP, and with it the whole connection
- * (the peer switches on its next message, or never redirects at all). Order
- * holds: the receiver reads its redirect queue (tcp_bpf_recvmsg) before its
- * TCP queue, and a write that returned had its redirect queued.
- */
-static __always_inline void to_tcp(struct mw_sk_state *st, struct mw_conn *c, __u32 reason)
+/* The connection is to continue on TCP as a whole (set once, counted once). */
+static __always_inline void request_tcp(struct mw_conn *c, __u32 reason)
 {
-	__u32 me = dir_index(st->role);
-
-	st->decision = MW_CONN_PASSTHROUGH;
-	st->reason = reason;
-	__sync_val_compare_and_swap(&c->dir[me], MW_DIR_REDIRECT, MW_DIR_TCP);
 	if (!c->to_tcp) {
 		c->to_tcp_reason = reason;
 		if (__sync_val_compare_and_swap(&c->to_tcp, 0, 1) == 0)
 			count_conn(reason);
 	}
+}
+
+/*
+ * This side's direction continues on TCP (dir: DRAINED, or TCP when bytes
+ * may still be unread or on their way), and with it the whole connection:
+ * a peer that never redirected never will (NEVER). Order holds either way:
+ * the receiver reads its redirect queue (tcp_bpf_recvmsg) before its TCP
+ * queue, and a write that returned had its redirect queued.
+ */
+static __always_inline void to_tcp(struct mw_sk_state *st, struct mw_conn *c, __u32 reason, __u32 dir)
+{
+	__u32 me = dir_index(st->role);
+
+	request_tcp(c, reason);
+	st->decision = MW_CONN_PASSTHROUGH;
+	st->reason = c->to_tcp_reason;
+	__sync_val_compare_and_swap(&c->dir[me], MW_DIR_REDIRECT, dir);
 	__sync_val_compare_and_swap(&c->dir[1 - me], MW_DIR_UNDECIDED, MW_DIR_NEVER);
+}
+
+/*
+ * Whether this side may move its direction to TCP now without any reader
+ * seeing two queues: both redirect queues are empty (the peer read all we
+ * sent, we read all it sent) and no other sendmsg of ours is on its way
+ * (own_dir_drained). Then each socket leaves mw_sock_hash at its first TCP
+ * packet, before the packet's bytes are queued (on_leave_check).
+ */
+static __always_inline bool switch_point(struct mw_conn *c, struct mw_sk_state *st, struct bpf_sock *sk)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+
+	if (!tp || redirect_backlog((struct sock *)tp))
+		return false;
+	return own_dir_drained(c, dir_index(st->role), (struct sock *)tp, 2);
 }
 
 /*
@@ -1375,11 +1469,11 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 		 * blocks the writer. Order holds as in to_tcp.
 		 */
 		c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
-		if (c && c->to_tcp) {
-			/* The peer turned the connection to TCP. */
-			to_tcp(st, c, c->to_tcp_reason);
-		} else if (c && small_stream(st, c, size)) {
-			to_tcp(st, c, MW_REASON_SMALL_STREAM);
+		if (c && !c->to_tcp && small_stream(st, c, size))
+			request_tcp(c, MW_REASON_SMALL_STREAM);
+		if (c && c->to_tcp && switch_point(c, st, sk)) {
+			/* Asked by either side; until a switch point, keep redirecting. */
+			to_tcp(st, c, c->to_tcp_reason, MW_DIR_DRAINED);
 		} else if (peer_backlog(st->peer_sk) + size > redirect_budget_bytes) {
 			/*
 			 * A one-way stream (the peer never redirected) goes to TCP as a
@@ -1388,7 +1482,7 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 			 * only: the other one may well stay fast.
 			 */
 			if (stream_run_msgs && c && c->dir[1 - dir_index(st->role)] == MW_DIR_UNDECIDED) {
-				to_tcp(st, c, MW_REASON_BACKPRESSURE);
+				to_tcp(st, c, MW_REASON_BACKPRESSURE, MW_DIR_TCP);
 			} else {
 				st->decision = MW_CONN_PASSTHROUGH;
 				st->reason = MW_REASON_BACKPRESSURE;
@@ -1443,213 +1537,4 @@ int mw_skmsg_tap(struct sk_msg_md *msg)
 }
 #endif
 
-#define MW_S_IFMT 00170000
-#define MW_S_IFSOCK 0140000
-#define MW_MSG_OOB 0x1
-#define MW_MSG_WAITALL 0x100
-#define MW_SOL_SOCKET 1
-#define MW_SO_RCVLOWAT 18
-
-/* The socket behind fd in the current process, or NULL. */
-static __always_inline struct sock *fd_socket(long fd)
-{
-	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
-	struct file **fds;
-	struct file *file = NULL;
-	struct socket *sock;
-	__u32 max_fds;
-	__u16 mode;
-
-	max_fds = BPF_CORE_READ(task, files, fdt, max_fds);
-	if (fd < 0 || fd >= max_fds)
-		return NULL;
-	fds = BPF_CORE_READ(task, files, fdt, fd);
-	if (bpf_probe_read_kernel(&file, sizeof(file), &fds[fd]) || !file)
-		return NULL;
-	mode = BPF_CORE_READ(file, f_inode, i_mode);
-	if ((mode & MW_S_IFMT) != MW_S_IFSOCK)
-		return NULL;
-	sock = BPF_CORE_READ(file, private_data);
-	return BPF_CORE_READ(sock, sk);
-}
-
-/* Whether sk is in a sockmap (has a psock): only then does a redirect apply. */
-static __always_inline bool in_sockmap(struct sock *sk)
-{
-	return psock_of(sk) != NULL;
-}
-
-/*
- * Learn that the process did `reason` on sk: later connections on sk's
- * ports are left to TCP, and the process is named in mw_unfit_procs.
- */
-static __always_inline void learn_unfit(struct sock *sk, __u32 reason)
-{
-	struct mw_unfit_key key = { .tgid = bpf_get_current_pid_tgid() >> 32, .reason = reason };
-	struct mw_unfit_proc *p, init = {};
-	struct mw_counters *cnt = counters();
-	__u32 lport = BPF_CORE_READ(sk, __sk_common.skc_num);               /* host order */
-	__u32 rport = bpf_ntohs(BPF_CORE_READ(sk, __sk_common.skc_dport)); /* network order */
-
-	if (reason >= MW_REASON_MAX)
-		return;
-	if (cnt)
-		cnt->unfit_calls[reason]++;
-	if (lport)
-		bpf_map_update_elem(&mw_unfit_lport, &lport, &reason, BPF_ANY);
-	if (rport)
-		bpf_map_update_elem(&mw_unfit_rport, &rport, &reason, BPF_ANY);
-	p = bpf_map_lookup_elem(&mw_unfit_procs, &key);
-	if (!p) {
-		bpf_get_current_comm(init.comm, sizeof(init.comm));
-		bpf_map_update_elem(&mw_unfit_procs, &key, &init, BPF_NOEXIST);
-		p = bpf_map_lookup_elem(&mw_unfit_procs, &key);
-		if (!p)
-			return;
-	}
-	__sync_fetch_and_add(&p->calls, 1);
-}
-
-/* A syscall with flags on socket fd: learn when a flag needs what a redirect lacks. */
-static __always_inline void watch_flags(long fd, long flags, bool receiving)
-{
-	struct sock *sk;
-	__u32 reason;
-
-	if (flags & MW_MSG_OOB)
-		reason = MW_REASON_OOB;
-	else if (receiving && (flags & MW_MSG_WAITALL))
-		reason = MW_REASON_WAITALL_READER;
-	else
-		return;
-	if (bpf_current_task_under_cgroup(&mw_cgroup, 0) != 1)
-		return;
-	sk = fd_socket(fd);
-	if (sk && in_sockmap(sk))
-		learn_unfit(sk, reason);
-}
-
-/*
- * splice(2) reads only the TCP queue: learned for every socket read (the
- * reader may splice a socket before it is paired), and counted.
- */
-SEC("tracepoint/syscalls/sys_enter_splice")
-int mw_splice_watch(struct trace_event_raw_sys_enter *ctx)
-{
-	struct mw_counters *cnt;
-	struct sock *sk;
-
-	if (bpf_current_task_under_cgroup(&mw_cgroup, 0) != 1)
-		return 0;
-	sk = fd_socket(ctx->args[0]);
-	if (!sk)
-		return 0;
-	cnt = counters();
-	if (cnt)
-		cnt->splice_socket_reads++;
-	learn_unfit(sk, MW_REASON_SPLICE_READER);
-	return 0;
-}
-
-/* recvfrom(fd, buf, len, flags, ...), recvmsg(fd, msg, flags), recvmmsg(fd, vec, vlen, flags, ...) */
-SEC("tracepoint/syscalls/sys_enter_recvfrom")
-int mw_recvfrom_watch(struct trace_event_raw_sys_enter *ctx)
-{
-	watch_flags(ctx->args[0], ctx->args[3], true);
-	return 0;
-}
-
-SEC("tracepoint/syscalls/sys_enter_recvmsg")
-int mw_recvmsg_watch(struct trace_event_raw_sys_enter *ctx)
-{
-	watch_flags(ctx->args[0], ctx->args[2], true);
-	return 0;
-}
-
-SEC("tracepoint/syscalls/sys_enter_recvmmsg")
-int mw_recvmmsg_watch(struct trace_event_raw_sys_enter *ctx)
-{
-	watch_flags(ctx->args[0], ctx->args[3], true);
-	return 0;
-}
-
-/* sendto(fd, buf, len, flags, ...), sendmsg(fd, msg, flags), sendmmsg(fd, vec, vlen, flags) */
-SEC("tracepoint/syscalls/sys_enter_sendto")
-int mw_sendto_watch(struct trace_event_raw_sys_enter *ctx)
-{
-	watch_flags(ctx->args[0], ctx->args[3], false);
-	return 0;
-}
-
-SEC("tracepoint/syscalls/sys_enter_sendmsg")
-int mw_sendmsg_watch(struct trace_event_raw_sys_enter *ctx)
-{
-	watch_flags(ctx->args[0], ctx->args[2], false);
-	return 0;
-}
-
-SEC("tracepoint/syscalls/sys_enter_sendmmsg")
-int mw_sendmmsg_watch(struct trace_event_raw_sys_enter *ctx)
-{
-	watch_flags(ctx->args[0], ctx->args[3], false);
-	return 0;
-}
-
-/* setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &val, len) with val > 1 on a paired socket. */
-SEC("tracepoint/syscalls/sys_enter_setsockopt")
-int mw_setsockopt_watch(struct trace_event_raw_sys_enter *ctx)
-{
-	struct sock *sk;
-	int val = 0;
-
-	if (ctx->args[1] != MW_SOL_SOCKET || ctx->args[2] != MW_SO_RCVLOWAT)
-		return 0;
-	if (bpf_current_task_under_cgroup(&mw_cgroup, 0) != 1)
-		return 0;
-	if (bpf_probe_read_user(&val, sizeof(val), (void *)ctx->args[3]) || val <= 1)
-		return 0;
-	sk = fd_socket(ctx->args[0]);
-	if (sk && in_sockmap(sk))
-		learn_unfit(sk, MW_REASON_RCVLOWAT);
-	return 0;
-}
-
-/*
- * connect(fd, {AF_UNSPEC}) on a socket with a psock: TCP drops the unread
- * bytes of the connection it dissolves, but the redirect queue survives and
- * the next connection on the socket would read them first.
- */
-SEC("tracepoint/syscalls/sys_enter_connect")
-int mw_connect_watch(struct trace_event_raw_sys_enter *ctx)
-{
-	struct sock *sk;
-	__u16 family = 0xffff;
-
-	if (bpf_probe_read_user(&family, sizeof(family), (void *)ctx->args[1]) || family != 0 /* AF_UNSPEC */)
-		return 0;
-	if (bpf_current_task_under_cgroup(&mw_cgroup, 0) != 1)
-		return 0;
-	sk = fd_socket(ctx->args[0]);
-	if (sk && in_sockmap(sk))
-		learn_unfit(sk, MW_REASON_DISCONNECT);
-	return 0;
-}
-
-/*
- * close(fd) of a paired socket whose redirect queue holds unread bytes: TCP
- * would reset the connection; the sockmap close path sends FIN. Only the
- * last reference closes the socket, but a dup'ed fd is rare enough not to
- * matter (at worst a port is learned without need).
- */
-SEC("tracepoint/syscalls/sys_enter_close")
-int mw_close_watch(struct trace_event_raw_sys_enter *ctx)
-{
-	struct sock *sk;
-
-	if (bpf_current_task_under_cgroup(&mw_cgroup, 0) != 1)
-		return 0;
-	sk = fd_socket(ctx->args[0]);
-	if (sk && redirect_backlog(sk) > 0)
-		learn_unfit(sk, MW_REASON_UNREAD_CLOSE);
-	return 0;
-}
+#include "watches.h"

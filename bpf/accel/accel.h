@@ -72,12 +72,22 @@ enum mw_reason {
 	MW_REASON_EARLY_DATA = 19,     /* bytes written before ESTABLISHED (TCP Fast Open, a write racing connect) went to TCP */
 	MW_REASON_DISCONNECT = 20,     /* learned: connect(AF_UNSPEC) keeps unread redirected bytes for the next connection */
 	MW_REASON_SMALL_STREAM = 21,   /* a run of small writes one way: the connection continues on TCP, which coalesces them */
-	MW_REASON_MAX = 22,
+	/*
+	 * Socket options the redirect's receive and send paths do not honour,
+	 * seen on the socket when it is established (set before connect(), or
+	 * inherited from the listener) or set later (cgroup setsockopt): the
+	 * connection stays on TCP from its first byte.
+	 */
+	MW_REASON_PEEK_OFF = 22,       /* SO_PEEK_OFF: tcp_bpf's MSG_PEEK ignores the peek offset */
+	MW_REASON_TCP_INQ = 23,        /* TCP_INQ: no TCP_CM_INQ control message on redirected bytes */
+	MW_REASON_TIMESTAMP = 24,      /* SO_TIMESTAMP(NS), SO_TIMESTAMPING: no timestamps on redirected bytes */
+	MW_REASON_ZEROCOPY = 25,       /* SO_ZEROCOPY: MSG_ZEROCOPY completions are never queued for redirected bytes */
+	MW_REASON_MAX = 26,
 };
 
 /*
  * One direction of a paired connection (mw_conn.dir[role - 1]). It moves
- * UNDECIDED -> REDIRECT (its first message) -> TCP, or UNDECIDED -> NEVER
+ * UNDECIDED -> REDIRECT (its first message) -> DRAINED or TCP, or UNDECIDED -> NEVER
  * when the connection went to TCP before this side sent: a NEVER side never
  * had a message in flight to its peer. Changed only by its own sk_msg runs,
  * except UNDECIDED -> NEVER (cmpxchg by the peer).
@@ -87,6 +97,12 @@ enum mw_dir {
 	MW_DIR_REDIRECT = 1,
 	MW_DIR_TCP = 2,
 	MW_DIR_NEVER = 3,
+	/*
+	 * On TCP since a moment when nothing it redirected was unread by the
+	 * peer or still on its way (the peer's psock queue empty, no other
+	 * sendmsg of this socket running): the peer reads one queue at a time.
+	 */
+	MW_DIR_DRAINED = 4,
 };
 
 /* Which mesh hop a paired connection is. */

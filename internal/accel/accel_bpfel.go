@@ -81,16 +81,16 @@ type accelMwCounters struct {
 	RedirectedMsgs    uint64
 	RedirectedBytes   uint64
 	SockhashFull      uint64
-	PassthroughMsgs   [22]uint64
-	PassthroughBytes  [22]uint64
-	PassthroughConns  [22]uint64
+	PassthroughMsgs   [26]uint64
+	PassthroughBytes  [26]uint64
+	PassthroughConns  [26]uint64
 	HopConns          [4]uint64
 	HopMsgs           [4]uint64
 	HopBytes          [4]uint64
 	SpliceSocketReads uint64
 	NatPortRemaps     uint64
-	UnfitCalls        [22]uint64
-	SocketsRemoved    [22]uint64
+	UnfitCalls        [26]uint64
+	SocketsRemoved    [26]uint64
 	FlowsFull         uint64
 }
 
@@ -217,7 +217,11 @@ const (
 	accelMwReasonMW_REASON_EARLY_DATA       accelMwReason = 19
 	accelMwReasonMW_REASON_DISCONNECT       accelMwReason = 20
 	accelMwReasonMW_REASON_SMALL_STREAM     accelMwReason = 21
-	accelMwReasonMW_REASON_MAX              accelMwReason = 22
+	accelMwReasonMW_REASON_PEEK_OFF         accelMwReason = 22
+	accelMwReasonMW_REASON_TCP_INQ          accelMwReason = 23
+	accelMwReasonMW_REASON_TIMESTAMP        accelMwReason = 24
+	accelMwReasonMW_REASON_ZEROCOPY         accelMwReason = 25
+	accelMwReasonMW_REASON_MAX              accelMwReason = 26
 )
 
 type accelMwSkState struct {
@@ -308,7 +312,7 @@ const (
 	accelProgMwSendmmsgWatch       = "mw_sendmmsg_watch"
 	accelProgMwSendmsgWatch        = "mw_sendmsg_watch"
 	accelProgMwSendtoWatch         = "mw_sendto_watch"
-	accelProgMwSetsockoptWatch     = "mw_setsockopt_watch"
+	accelProgMwSetsockopt          = "mw_setsockopt"
 	accelProgMwSkmsg               = "mw_skmsg"
 	accelProgMwSockops             = "mw_sockops"
 	accelProgMwSpliceWatch         = "mw_splice_watch"
@@ -367,21 +371,21 @@ type accelSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelProgramSpecs struct {
-	MwCloseWatch      *ebpf.ProgramSpec `ebpf:"mw_close_watch"`
-	MwConnectWatch    *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
-	MwObsEgress       *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
-	MwObsIngress      *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
-	MwObsRecv         *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
-	MwRecvfromWatch   *ebpf.ProgramSpec `ebpf:"mw_recvfrom_watch"`
-	MwRecvmmsgWatch   *ebpf.ProgramSpec `ebpf:"mw_recvmmsg_watch"`
-	MwRecvmsgWatch    *ebpf.ProgramSpec `ebpf:"mw_recvmsg_watch"`
-	MwSendmmsgWatch   *ebpf.ProgramSpec `ebpf:"mw_sendmmsg_watch"`
-	MwSendmsgWatch    *ebpf.ProgramSpec `ebpf:"mw_sendmsg_watch"`
-	MwSendtoWatch     *ebpf.ProgramSpec `ebpf:"mw_sendto_watch"`
-	MwSetsockoptWatch *ebpf.ProgramSpec `ebpf:"mw_setsockopt_watch"`
-	MwSkmsg           *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
-	MwSockops         *ebpf.ProgramSpec `ebpf:"mw_sockops"`
-	MwSpliceWatch     *ebpf.ProgramSpec `ebpf:"mw_splice_watch"`
+	MwCloseWatch    *ebpf.ProgramSpec `ebpf:"mw_close_watch"`
+	MwConnectWatch  *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
+	MwObsEgress     *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
+	MwObsIngress    *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
+	MwObsRecv       *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
+	MwRecvfromWatch *ebpf.ProgramSpec `ebpf:"mw_recvfrom_watch"`
+	MwRecvmmsgWatch *ebpf.ProgramSpec `ebpf:"mw_recvmmsg_watch"`
+	MwRecvmsgWatch  *ebpf.ProgramSpec `ebpf:"mw_recvmsg_watch"`
+	MwSendmmsgWatch *ebpf.ProgramSpec `ebpf:"mw_sendmmsg_watch"`
+	MwSendmsgWatch  *ebpf.ProgramSpec `ebpf:"mw_sendmsg_watch"`
+	MwSendtoWatch   *ebpf.ProgramSpec `ebpf:"mw_sendto_watch"`
+	MwSetsockopt    *ebpf.ProgramSpec `ebpf:"mw_setsockopt"`
+	MwSkmsg         *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
+	MwSockops       *ebpf.ProgramSpec `ebpf:"mw_sockops"`
+	MwSpliceWatch   *ebpf.ProgramSpec `ebpf:"mw_splice_watch"`
 }
 
 // accelMapSpecs contains maps before they are loaded into the kernel.
@@ -506,21 +510,21 @@ type accelVariables struct {
 //
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelPrograms struct {
-	MwCloseWatch      *ebpf.Program `ebpf:"mw_close_watch"`
-	MwConnectWatch    *ebpf.Program `ebpf:"mw_connect_watch"`
-	MwObsEgress       *ebpf.Program `ebpf:"mw_obs_egress"`
-	MwObsIngress      *ebpf.Program `ebpf:"mw_obs_ingress"`
-	MwObsRecv         *ebpf.Program `ebpf:"mw_obs_recv"`
-	MwRecvfromWatch   *ebpf.Program `ebpf:"mw_recvfrom_watch"`
-	MwRecvmmsgWatch   *ebpf.Program `ebpf:"mw_recvmmsg_watch"`
-	MwRecvmsgWatch    *ebpf.Program `ebpf:"mw_recvmsg_watch"`
-	MwSendmmsgWatch   *ebpf.Program `ebpf:"mw_sendmmsg_watch"`
-	MwSendmsgWatch    *ebpf.Program `ebpf:"mw_sendmsg_watch"`
-	MwSendtoWatch     *ebpf.Program `ebpf:"mw_sendto_watch"`
-	MwSetsockoptWatch *ebpf.Program `ebpf:"mw_setsockopt_watch"`
-	MwSkmsg           *ebpf.Program `ebpf:"mw_skmsg"`
-	MwSockops         *ebpf.Program `ebpf:"mw_sockops"`
-	MwSpliceWatch     *ebpf.Program `ebpf:"mw_splice_watch"`
+	MwCloseWatch    *ebpf.Program `ebpf:"mw_close_watch"`
+	MwConnectWatch  *ebpf.Program `ebpf:"mw_connect_watch"`
+	MwObsEgress     *ebpf.Program `ebpf:"mw_obs_egress"`
+	MwObsIngress    *ebpf.Program `ebpf:"mw_obs_ingress"`
+	MwObsRecv       *ebpf.Program `ebpf:"mw_obs_recv"`
+	MwRecvfromWatch *ebpf.Program `ebpf:"mw_recvfrom_watch"`
+	MwRecvmmsgWatch *ebpf.Program `ebpf:"mw_recvmmsg_watch"`
+	MwRecvmsgWatch  *ebpf.Program `ebpf:"mw_recvmsg_watch"`
+	MwSendmmsgWatch *ebpf.Program `ebpf:"mw_sendmmsg_watch"`
+	MwSendmsgWatch  *ebpf.Program `ebpf:"mw_sendmsg_watch"`
+	MwSendtoWatch   *ebpf.Program `ebpf:"mw_sendto_watch"`
+	MwSetsockopt    *ebpf.Program `ebpf:"mw_setsockopt"`
+	MwSkmsg         *ebpf.Program `ebpf:"mw_skmsg"`
+	MwSockops       *ebpf.Program `ebpf:"mw_sockops"`
+	MwSpliceWatch   *ebpf.Program `ebpf:"mw_splice_watch"`
 }
 
 func (p *accelPrograms) Close() error {
@@ -536,7 +540,7 @@ func (p *accelPrograms) Close() error {
 		p.MwSendmmsgWatch,
 		p.MwSendmsgWatch,
 		p.MwSendtoWatch,
-		p.MwSetsockoptWatch,
+		p.MwSetsockopt,
 		p.MwSkmsg,
 		p.MwSockops,
 		p.MwSpliceWatch,

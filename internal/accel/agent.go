@@ -79,6 +79,7 @@ const DefaultCapacity = 65536
 // Names of the pinned links under the pin directory (maps are pinned by their BPF names).
 const (
 	sockopsLinkPin = "mw_sockops_link"
+	sockoptLinkPin = "mw_sockopt_link"
 	skmsgLinkPin   = "mw_skmsg_link"
 	obsEgressPin   = "mw_obs_egress_link"
 	obsIngressPin  = "mw_obs_ingress_link"
@@ -86,7 +87,7 @@ const (
 )
 
 // linkPins are every link meshwarp pins, in the order they are removed.
-var linkPins = []string{sockopsLinkPin, skmsgLinkPin, obsEgressPin, obsIngressPin, obsRecvPin}
+var linkPins = []string{sockopsLinkPin, sockoptLinkPin, skmsgLinkPin, obsEgressPin, obsIngressPin, obsRecvPin}
 
 // Config selects what the agent attaches to and what it accelerates.
 type Config struct {
@@ -131,6 +132,13 @@ type Config struct {
 	// socket read of the node, so the agent leaves it to `meshwarp trace`,
 	// which attaches it while it samples (TraceReads); the bench sets it.
 	ObserveReads bool
+	// LearnFromSyscalls attaches the syscall watches (watch.go): what a
+	// process of the cgroup does on an accelerated socket with splice(2),
+	// MSG_WAITALL, MSG_OOB, close() with unread bytes or connect(AF_UNSPEC)
+	// keeps later connections on that socket's ports on TCP. Off by default:
+	// syscall tracepoints put every process of the node on the kernel's
+	// syscall tracing path (docs/BENCHMARKS.md).
+	LearnFromSyscalls bool
 }
 
 // DataPathConstants are the data path's load-time settings for cfg (the
@@ -179,6 +187,8 @@ type Agent struct {
 	logger  *slog.Logger
 	objs    accelObjects
 	sockops link.Link
+	// sockopt sees the cgroup's setsockopt calls (bpf/accel/watches.h).
+	sockopt link.Link
 	skmsg   link.Link
 	// obs are the observation's links (cgroup_skb egress and ingress, and the read
 	// tracepoint with Config.ObserveReads), pinned like the rest.
@@ -316,12 +326,27 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	sockops := a.sockops
 	undo = append(undo, func() { sockops.Close() })
 
+	a.sockopt, err = attachOrUpdate(filepath.Join(cfg.PinDir, sockoptLinkPin), a.objs.MwSetsockopt, func() (link.Link, error) {
+		return link.AttachCgroup(link.CgroupOptions{
+			Path:    cfg.CgroupPath,
+			Attach:  ebpf.AttachCGroupSetsockopt,
+			Program: a.objs.MwSetsockopt,
+		})
+	}, func(l link.Link) error { return sameCgroup(l, cfg.CgroupPath) })
+	if err != nil {
+		return nil, fmt.Errorf("attach cgroup setsockopt to %s: %w", cfg.CgroupPath, err)
+	}
+	sockopt := a.sockopt
+	undo = append(undo, func() { sockopt.Close() })
+
 	if err := a.attachObservation(); err != nil {
 		return nil, err
 	}
 	undo = append(undo, func() { a.closeObservation() })
 
-	a.watches, err = watchSyscalls(&a.objs, cfg.CgroupPath)
+	if cfg.LearnFromSyscalls {
+		a.watches, err = watchSyscalls(&a.objs, cfg.CgroupPath)
+	}
 	if err != nil {
 		// Acceleration works without them; what they learn is then not learned.
 		logger.Warn("syscall watches off: splice(2), MSG_WAITALL, MSG_OOB, SO_RCVLOWAT and close with unread bytes "+
@@ -507,9 +532,9 @@ func (a *Agent) Stats() (Stats, error) {
 		return s, err
 	}
 	s.UnfitProcesses, err = readUnfitProcesses(a.objs.MwUnfitProcs)
-	for _, p := range []*ebpf.Program{a.objs.MwSockops, a.objs.MwSkmsg, a.objs.MwObsEgress, a.objs.MwObsIngress, a.objs.MwObsRecv,
+	for _, p := range []*ebpf.Program{a.objs.MwSockops, a.objs.MwSkmsg, a.objs.MwSetsockopt, a.objs.MwObsEgress, a.objs.MwObsIngress, a.objs.MwObsRecv,
 		a.objs.MwSpliceWatch, a.objs.MwRecvfromWatch, a.objs.MwRecvmsgWatch, a.objs.MwRecvmmsgWatch, a.objs.MwSendtoWatch,
-		a.objs.MwSendmsgWatch, a.objs.MwSendmmsgWatch, a.objs.MwSetsockoptWatch, a.objs.MwCloseWatch, a.objs.MwConnectWatch} {
+		a.objs.MwSendmsgWatch, a.objs.MwSendmmsgWatch, a.objs.MwCloseWatch, a.objs.MwConnectWatch} {
 		if ps, perr := p.Stats(); perr == nil {
 			s.BPFRunSeconds += ps.Runtime.Seconds()
 			s.BPFRuns += ps.RunCount
@@ -551,6 +576,9 @@ func (a *Agent) Close() error {
 	if a.sockops != nil {
 		errs = append(errs, a.sockops.Close())
 	}
+	if a.sockopt != nil {
+		errs = append(errs, a.sockopt.Close())
+	}
 	if a.skmsg != nil {
 		errs = append(errs, a.skmsg.Close())
 	}
@@ -583,6 +611,10 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 	if a.sockops != nil {
 		errs = append(errs, a.sockops.Unpin(), a.sockops.Close())
 		a.sockops = nil
+	}
+	if a.sockopt != nil {
+		errs = append(errs, a.sockopt.Unpin(), a.sockopt.Close())
+		a.sockopt = nil
 	}
 	if a.skmsg != nil {
 		errs = append(errs, a.skmsg.Unpin(), a.skmsg.Close())

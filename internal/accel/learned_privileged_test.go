@@ -111,7 +111,8 @@ func acceptedConn(t *testing.T, ln net.Listener) (client, server net.Conn) {
 // learnedCase: reveal does the call on a paired connection; check asserts
 // plain TCP behaviour on a later connection to the same listener.
 func learnedCase(t *testing.T, reason string, reveal, check func(t *testing.T, client, server net.Conn)) {
-	forEachAgent(t, func(t *testing.T, a *Agent) {
+	noSetup := func(*testing.T) net.Listener { return nil }
+	forEachAgentConfig(t, Config{LearnFromSyscalls: true}, noSetup, func(t *testing.T, a *Agent, _ net.Listener) {
 		ln := mustListen(t, "127.0.0.1:0")
 		defer ln.Close()
 		if a != nil {

@@ -224,6 +224,11 @@ func exchangeUnaccelerated(t *testing.T, a *Agent, ln net.Listener, ns *testutil
 // forEachAgentMode runs fn without and with the agent; setup runs before
 // the agent starts (what it creates is outside the agent's cgroup).
 func forEachAgentMode(t *testing.T, setup func(t *testing.T) net.Listener, fn func(t *testing.T, a *Agent, ln net.Listener)) {
+	forEachAgentConfig(t, Config{}, setup, fn)
+}
+
+// forEachAgentConfig is forEachAgentMode with the agent started with cfg.
+func forEachAgentConfig(t *testing.T, cfg Config, setup func(t *testing.T) net.Listener, fn func(t *testing.T, a *Agent, ln net.Listener)) {
 	for _, withAgent := range []bool{false, true} {
 		name := "without-agent"
 		if withAgent {
@@ -236,7 +241,7 @@ func forEachAgentMode(t *testing.T, setup func(t *testing.T) net.Listener, fn fu
 			}
 			var a *Agent
 			if withAgent {
-				a = startAgent(t, Config{})
+				a = startAgent(t, cfg)
 			}
 			fn(t, a, ln)
 		})

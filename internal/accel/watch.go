@@ -35,16 +35,15 @@ type UnfitProcess struct {
 // unfit sockets, by program.
 func syscallWatches(o *accelObjects) map[string]*ebpf.Program {
 	return map[string]*ebpf.Program{
-		"sys_enter_splice":     o.MwSpliceWatch,
-		"sys_enter_recvfrom":   o.MwRecvfromWatch,
-		"sys_enter_recvmsg":    o.MwRecvmsgWatch,
-		"sys_enter_recvmmsg":   o.MwRecvmmsgWatch,
-		"sys_enter_sendto":     o.MwSendtoWatch,
-		"sys_enter_sendmsg":    o.MwSendmsgWatch,
-		"sys_enter_sendmmsg":   o.MwSendmmsgWatch,
-		"sys_enter_setsockopt": o.MwSetsockoptWatch,
-		"sys_enter_close":      o.MwCloseWatch,
-		"sys_enter_connect":    o.MwConnectWatch,
+		"sys_enter_splice":   o.MwSpliceWatch,
+		"sys_enter_recvfrom": o.MwRecvfromWatch,
+		"sys_enter_recvmsg":  o.MwRecvmsgWatch,
+		"sys_enter_recvmmsg": o.MwRecvmmsgWatch,
+		"sys_enter_sendto":   o.MwSendtoWatch,
+		"sys_enter_sendmsg":  o.MwSendmsgWatch,
+		"sys_enter_sendmmsg": o.MwSendmmsgWatch,
+		"sys_enter_close":    o.MwCloseWatch,
+		"sys_enter_connect":  o.MwConnectWatch,
 	}
 }
 

@@ -32,6 +32,7 @@ type runOptions struct {
 	configFile       string
 	keepOnExit       bool
 	keepSmallStreams bool
+	learnSyscalls    bool
 	observe          bool
 	accelerate       bool
 	crossNode        bool
@@ -130,6 +131,8 @@ connection; exclude them up front so that no connection is affected.`,
 		"how long a connecting socket whose listener is in the cgroup may wait for its peer to be established before it is left to TCP")
 	f.BoolVar(&o.keepSmallStreams, "keep-small-streams", false,
 		"keep streams on the redirect (default: a connection whose one side writes many small messages without a reply, or outruns a receiver that never replies, continues on TCP, which is faster for it; see `meshwarp status` small_stream, backpressure)")
+	f.BoolVar(&o.learnSyscalls, "learn-from-syscalls", false,
+		"also watch the cgroup's splice(2), recv(MSG_WAITALL), MSG_OOB, close() with unread bytes and connect(AF_UNSPEC) on accelerated sockets, and keep later connections on those ports on TCP (see `meshwarp status` learned reasons). Off by default: syscall tracepoints slow every process of the node (docs/BENCHMARKS.md); socket options (SO_RCVLOWAT, SO_PEEK_OFF, TCP_INQ, timestamps, SO_ZEROCOPY) are always seen, through a cgroup hook")
 	f.BoolVar(&o.observe, "observe", true,
 		"record RED data of every connection of the cgroup, accelerated or not: HTTP/1.x request rate, status and duration, TCP connections and resets (/metrics, `meshwarp top`, `meshwarp trace`); its cost is in docs/BENCHMARKS.md")
 	f.BoolVar(&o.accelerate, "accelerate", true,
@@ -212,17 +215,18 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 		}
 	}
 	agent, err := accel.Start(accel.Config{
-		CgroupPath:       o.cgroup,
-		PinDir:           o.pinDir,
-		SidecarUID:       o.sidecarUID,
-		Policy:           policy,
-		SockhashCapacity: o.capacity,
-		UnpairedTimeout:  o.unpaired,
-		KeepSmallStreams: o.keepSmallStreams,
-		Observe:          o.observe,
-		ObserveOnly:      !o.accelerate,
-		CrossNode:        o.crossNode,
-		CrossNodes:       nodes,
+		CgroupPath:        o.cgroup,
+		PinDir:            o.pinDir,
+		SidecarUID:        o.sidecarUID,
+		Policy:            policy,
+		SockhashCapacity:  o.capacity,
+		UnpairedTimeout:   o.unpaired,
+		KeepSmallStreams:  o.keepSmallStreams,
+		LearnFromSyscalls: o.learnSyscalls,
+		Observe:           o.observe,
+		ObserveOnly:       !o.accelerate,
+		CrossNode:         o.crossNode,
+		CrossNodes:        nodes,
 	}, logger)
 	if err != nil {
 		return err

@@ -81,16 +81,16 @@ type tapMwCounters struct {
 	RedirectedMsgs    uint64
 	RedirectedBytes   uint64
 	SockhashFull      uint64
-	PassthroughMsgs   [22]uint64
-	PassthroughBytes  [22]uint64
-	PassthroughConns  [22]uint64
+	PassthroughMsgs   [26]uint64
+	PassthroughBytes  [26]uint64
+	PassthroughConns  [26]uint64
 	HopConns          [4]uint64
 	HopMsgs           [4]uint64
 	HopBytes          [4]uint64
 	SpliceSocketReads uint64
 	NatPortRemaps     uint64
-	UnfitCalls        [22]uint64
-	SocketsRemoved    [22]uint64
+	UnfitCalls        [26]uint64
+	SocketsRemoved    [26]uint64
 	FlowsFull         uint64
 }
 
@@ -254,7 +254,7 @@ const (
 	tapProgMwSendmmsgWatch       = "mw_sendmmsg_watch"
 	tapProgMwSendmsgWatch        = "mw_sendmsg_watch"
 	tapProgMwSendtoWatch         = "mw_sendto_watch"
-	tapProgMwSetsockoptWatch     = "mw_setsockopt_watch"
+	tapProgMwSetsockopt          = "mw_setsockopt"
 	tapProgMwSkmsg               = "mw_skmsg"
 	tapProgMwSkmsgTap            = "mw_skmsg_tap"
 	tapProgMwSockops             = "mw_sockops"
@@ -317,22 +317,22 @@ type tapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type tapProgramSpecs struct {
-	MwCloseWatch      *ebpf.ProgramSpec `ebpf:"mw_close_watch"`
-	MwConnectWatch    *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
-	MwObsEgress       *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
-	MwObsIngress      *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
-	MwObsRecv         *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
-	MwRecvfromWatch   *ebpf.ProgramSpec `ebpf:"mw_recvfrom_watch"`
-	MwRecvmmsgWatch   *ebpf.ProgramSpec `ebpf:"mw_recvmmsg_watch"`
-	MwRecvmsgWatch    *ebpf.ProgramSpec `ebpf:"mw_recvmsg_watch"`
-	MwSendmmsgWatch   *ebpf.ProgramSpec `ebpf:"mw_sendmmsg_watch"`
-	MwSendmsgWatch    *ebpf.ProgramSpec `ebpf:"mw_sendmsg_watch"`
-	MwSendtoWatch     *ebpf.ProgramSpec `ebpf:"mw_sendto_watch"`
-	MwSetsockoptWatch *ebpf.ProgramSpec `ebpf:"mw_setsockopt_watch"`
-	MwSkmsg           *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
-	MwSkmsgTap        *ebpf.ProgramSpec `ebpf:"mw_skmsg_tap"`
-	MwSockops         *ebpf.ProgramSpec `ebpf:"mw_sockops"`
-	MwSpliceWatch     *ebpf.ProgramSpec `ebpf:"mw_splice_watch"`
+	MwCloseWatch    *ebpf.ProgramSpec `ebpf:"mw_close_watch"`
+	MwConnectWatch  *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
+	MwObsEgress     *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
+	MwObsIngress    *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
+	MwObsRecv       *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
+	MwRecvfromWatch *ebpf.ProgramSpec `ebpf:"mw_recvfrom_watch"`
+	MwRecvmmsgWatch *ebpf.ProgramSpec `ebpf:"mw_recvmmsg_watch"`
+	MwRecvmsgWatch  *ebpf.ProgramSpec `ebpf:"mw_recvmsg_watch"`
+	MwSendmmsgWatch *ebpf.ProgramSpec `ebpf:"mw_sendmmsg_watch"`
+	MwSendmsgWatch  *ebpf.ProgramSpec `ebpf:"mw_sendmsg_watch"`
+	MwSendtoWatch   *ebpf.ProgramSpec `ebpf:"mw_sendto_watch"`
+	MwSetsockopt    *ebpf.ProgramSpec `ebpf:"mw_setsockopt"`
+	MwSkmsg         *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
+	MwSkmsgTap      *ebpf.ProgramSpec `ebpf:"mw_skmsg_tap"`
+	MwSockops       *ebpf.ProgramSpec `ebpf:"mw_sockops"`
+	MwSpliceWatch   *ebpf.ProgramSpec `ebpf:"mw_splice_watch"`
 }
 
 // tapMapSpecs contains maps before they are loaded into the kernel.
@@ -472,22 +472,22 @@ type tapVariables struct {
 //
 // It can be passed to loadTapObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tapPrograms struct {
-	MwCloseWatch      *ebpf.Program `ebpf:"mw_close_watch"`
-	MwConnectWatch    *ebpf.Program `ebpf:"mw_connect_watch"`
-	MwObsEgress       *ebpf.Program `ebpf:"mw_obs_egress"`
-	MwObsIngress      *ebpf.Program `ebpf:"mw_obs_ingress"`
-	MwObsRecv         *ebpf.Program `ebpf:"mw_obs_recv"`
-	MwRecvfromWatch   *ebpf.Program `ebpf:"mw_recvfrom_watch"`
-	MwRecvmmsgWatch   *ebpf.Program `ebpf:"mw_recvmmsg_watch"`
-	MwRecvmsgWatch    *ebpf.Program `ebpf:"mw_recvmsg_watch"`
-	MwSendmmsgWatch   *ebpf.Program `ebpf:"mw_sendmmsg_watch"`
-	MwSendmsgWatch    *ebpf.Program `ebpf:"mw_sendmsg_watch"`
-	MwSendtoWatch     *ebpf.Program `ebpf:"mw_sendto_watch"`
-	MwSetsockoptWatch *ebpf.Program `ebpf:"mw_setsockopt_watch"`
-	MwSkmsg           *ebpf.Program `ebpf:"mw_skmsg"`
-	MwSkmsgTap        *ebpf.Program `ebpf:"mw_skmsg_tap"`
-	MwSockops         *ebpf.Program `ebpf:"mw_sockops"`
-	MwSpliceWatch     *ebpf.Program `ebpf:"mw_splice_watch"`
+	MwCloseWatch    *ebpf.Program `ebpf:"mw_close_watch"`
+	MwConnectWatch  *ebpf.Program `ebpf:"mw_connect_watch"`
+	MwObsEgress     *ebpf.Program `ebpf:"mw_obs_egress"`
+	MwObsIngress    *ebpf.Program `ebpf:"mw_obs_ingress"`
+	MwObsRecv       *ebpf.Program `ebpf:"mw_obs_recv"`
+	MwRecvfromWatch *ebpf.Program `ebpf:"mw_recvfrom_watch"`
+	MwRecvmmsgWatch *ebpf.Program `ebpf:"mw_recvmmsg_watch"`
+	MwRecvmsgWatch  *ebpf.Program `ebpf:"mw_recvmsg_watch"`
+	MwSendmmsgWatch *ebpf.Program `ebpf:"mw_sendmmsg_watch"`
+	MwSendmsgWatch  *ebpf.Program `ebpf:"mw_sendmsg_watch"`
+	MwSendtoWatch   *ebpf.Program `ebpf:"mw_sendto_watch"`
+	MwSetsockopt    *ebpf.Program `ebpf:"mw_setsockopt"`
+	MwSkmsg         *ebpf.Program `ebpf:"mw_skmsg"`
+	MwSkmsgTap      *ebpf.Program `ebpf:"mw_skmsg_tap"`
+	MwSockops       *ebpf.Program `ebpf:"mw_sockops"`
+	MwSpliceWatch   *ebpf.Program `ebpf:"mw_splice_watch"`
 }
 
 func (p *tapPrograms) Close() error {
@@ -503,7 +503,7 @@ func (p *tapPrograms) Close() error {
 		p.MwSendmmsgWatch,
 		p.MwSendmsgWatch,
 		p.MwSendtoWatch,
-		p.MwSetsockoptWatch,
+		p.MwSetsockopt,
 		p.MwSkmsg,
 		p.MwSkmsgTap,
 		p.MwSockops,

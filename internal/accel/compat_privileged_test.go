@@ -1,0 +1,300 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package accel
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"net"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/meshwarp/meshwarp/internal/testutil"
+)
+
+// The socket API compatibility suite: each row is something applications
+// do with a socket option the redirect's receive or send path does not
+// honour (tcp_bpf), run on three moments the option can be set: before
+// connect() (the first connection of a fresh listener), right after
+// accept/connect before any byte, and after a
+// request/response went through (redirected, with the agent). The same
+// assertions run without the agent and with it.
+
+// compatWhen is when a row's option is set.
+type compatWhen string
+
+const (
+	whenBefore    compatWhen = "before"    // on the client before connect() (it reads, or writes for onClient rows)
+	whenAccepted  compatWhen = "accepted"  // on the connected socket, before any byte
+	whenExchanged compatWhen = "exchanged" // after one request/response
+)
+
+type compatRow struct {
+	name string
+	// reason is the passthrough reason the agent counts for the row.
+	reason string
+	// onClient: the option belongs on the writing (connecting) side, else on the reader (accepted side).
+	onClient bool
+	set      func(t *testing.T, fd int)
+	// check asserts plain TCP behaviour: w writes, r reads.
+	check func(t *testing.T, w, r net.Conn)
+}
+
+func setInt(level, opt, v int) func(t *testing.T, fd int) {
+	return func(t *testing.T, fd int) {
+		t.Helper()
+		if err := unix.SetsockoptInt(fd, level, opt, v); err != nil {
+			t.Fatalf("setsockopt(%d, %d, %d): %v", level, opt, v, err)
+		}
+	}
+}
+
+// waitReadable polls r until poll() reports it readable; false after 5 s.
+func waitReadable(t *testing.T, r net.Conn, timeout time.Duration) bool {
+	t.Helper()
+	ready := false
+	onFD(t, r, func(fd int) {
+		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+		n, err := unix.Poll(pfd, int(timeout.Milliseconds()))
+		ready = err == nil && n == 1 && pfd[0].Revents&unix.POLLIN != 0
+	})
+	return ready
+}
+
+// recvmsgCmsgs reads once (blocking up to 5 s) and returns the data and control messages.
+func recvmsgCmsgs(t *testing.T, r net.Conn, size int) ([]byte, []unix.SocketControlMessage) {
+	t.Helper()
+	if !waitReadable(t, r, 5*time.Second) {
+		t.Fatal("nothing to read after 5 s")
+	}
+	buf, oob := make([]byte, size), make([]byte, 512)
+	var n, oobn int
+	var err error
+	onFD(t, r, func(fd int) { n, oobn, _, _, err = unix.Recvmsg(fd, buf, oob, 0) })
+	if err != nil {
+		t.Fatalf("recvmsg: %v", err)
+	}
+	msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+	if err != nil {
+		t.Fatalf("parse control messages: %v", err)
+	}
+	return buf[:n], msgs
+}
+
+func hasCmsg(msgs []unix.SocketControlMessage, level, typ int32) bool {
+	for _, m := range msgs {
+		if m.Header.Level == level && m.Header.Type == typ {
+			return true
+		}
+	}
+	return false
+}
+
+func mustWrite(t *testing.T, c net.Conn, b []byte) {
+	t.Helper()
+	if _, err := c.Write(b); err != nil {
+		t.Fatalf("write: %v", err)
+	}
+}
+
+var compatRows = []compatRow{
+	{
+		name: "SO_PEEK_OFF", reason: "peek_off",
+		set: setInt(unix.SOL_SOCKET, unix.SO_PEEK_OFF, 0),
+		check: func(t *testing.T, w, r net.Conn) {
+			mustWrite(t, w, []byte("abcdef"))
+			if !waitReadable(t, r, 5*time.Second) {
+				t.Fatal("nothing to read")
+			}
+			var got []byte
+			for len(got) < 6 {
+				b := make([]byte, 3)
+				var n int
+				var err error
+				onFD(t, r, func(fd int) { n, _, err = unix.Recvfrom(fd, b, unix.MSG_PEEK) })
+				if err != nil || n == 0 {
+					t.Fatalf("peek: %d, %v", n, err)
+				}
+				got = append(got, b[:n]...)
+				if len(got) > 6 {
+					break
+				}
+			}
+			if string(got) != "abcdef" {
+				t.Fatalf("peeks with SO_PEEK_OFF returned %q, want %q (each peek continues where the last ended)", got, "abcdef")
+			}
+		},
+	},
+	{
+		name: "TCP_INQ", reason: "tcp_inq",
+		set: setInt(unix.IPPROTO_TCP, unix.TCP_INQ, 1),
+		check: func(t *testing.T, w, r net.Conn) {
+			mustWrite(t, w, bytes.Repeat([]byte{'i'}, 100))
+			_, msgs := recvmsgCmsgs(t, r, 100)
+			if !hasCmsg(msgs, unix.SOL_TCP, unix.TCP_CM_INQ) {
+				t.Fatalf("no TCP_CM_INQ control message with TCP_INQ set (got %d control messages)", len(msgs))
+			}
+		},
+	},
+	{
+		name: "SO_TIMESTAMPNS", reason: "timestamp",
+		set: setInt(unix.SOL_SOCKET, unix.SO_TIMESTAMPNS, 1),
+		check: func(t *testing.T, w, r net.Conn) {
+			// The kernel turns receive timestamping on with a deferred
+			// static key: the first segments may have none, later ones do.
+			deadline := time.Now().Add(5 * time.Second)
+			for time.Now().Before(deadline) {
+				mustWrite(t, w, bytes.Repeat([]byte{'t'}, 100))
+				_, msgs := recvmsgCmsgs(t, r, 100)
+				if hasCmsg(msgs, unix.SOL_SOCKET, unix.SCM_TIMESTAMPNS) {
+					return
+				}
+			}
+			t.Fatal("no SCM_TIMESTAMPNS control message within 5 s with SO_TIMESTAMPNS set")
+		},
+	},
+	{
+		name: "SO_RCVLOWAT", reason: "rcvlowat",
+		set: setInt(unix.SOL_SOCKET, unix.SO_RCVLOWAT, 3000),
+		check: func(t *testing.T, w, r net.Conn) {
+			mustWrite(t, w, bytes.Repeat([]byte{'l'}, 1000))
+			// TCP reports readable only at the mark; give the bytes time to arrive.
+			if waitReadable(t, r, 200*time.Millisecond) {
+				t.Fatal("readable with 1000 of SO_RCVLOWAT 3000 bytes")
+			}
+			mustWrite(t, w, bytes.Repeat([]byte{'l'}, 2000))
+			if !waitReadable(t, r, 5*time.Second) {
+				t.Fatal("not readable with SO_RCVLOWAT 3000 bytes waiting")
+			}
+		},
+	},
+	{
+		name: "MSG_ZEROCOPY", reason: "zerocopy", onClient: true,
+		set: setInt(unix.SOL_SOCKET, unix.SO_ZEROCOPY, 1),
+		check: func(t *testing.T, w, r net.Conn) {
+			payload := bytes.Repeat([]byte{'z'}, 8192)
+			onFD(t, w, func(fd int) {
+				if err := unix.Sendmsg(fd, payload, nil, nil, unix.MSG_ZEROCOPY); err != nil {
+					t.Fatalf("send(MSG_ZEROCOPY): %v", err)
+				}
+			})
+			// The completion reaches the sender's error queue (POLLERR).
+			var got bool
+			onFD(t, w, func(fd int) {
+				pfd := []unix.PollFd{{Fd: int32(fd), Events: 0}}
+				deadline := time.Now().Add(5 * time.Second)
+				for time.Now().Before(deadline) {
+					if n, _ := unix.Poll(pfd, 100); n == 1 && pfd[0].Revents&unix.POLLERR != 0 {
+						break
+					}
+				}
+				oob := make([]byte, 256)
+				_, oobn, _, _, err := unix.Recvmsg(fd, nil, oob, unix.MSG_ERRQUEUE|unix.MSG_DONTWAIT)
+				got = err == nil && oobn > 0
+			})
+			if !got {
+				t.Fatal("no MSG_ZEROCOPY completion on the error queue within 5 s")
+			}
+			if _, err := io.ReadFull(r, make([]byte, len(payload))); err != nil {
+				t.Fatalf("read: %v", err)
+			}
+		},
+	},
+}
+
+// compatConn connects a client to ln with row's option set at when, and
+// returns the writer and reader; with the agent, whenExchanged requires
+// that the request/response was redirected.
+func compatConn(t *testing.T, a *Agent, row compatRow, when compatWhen) (w, r net.Conn) {
+	t.Helper()
+	ln := mustListen(t, "127.0.0.1:0")
+	t.Cleanup(func() { ln.Close() })
+	d := net.Dialer{}
+	if when == whenBefore {
+		d.Control = func(_, _ string, rc syscall.RawConn) error {
+			return rc.Control(func(fd uintptr) { row.set(t, int(fd)) })
+		}
+	}
+	if when == whenExchanged {
+		w, r = pairedConn(t, a, ln, func() (net.Conn, error) { return d.Dial("tcp", ln.Addr().String()) })
+
+		mustWrite(t, w, []byte("ping"))
+		if _, err := io.ReadFull(r, make([]byte, 4)); err != nil {
+			t.Fatal(err)
+		}
+		mustWrite(t, r, []byte("pong"))
+		if _, err := io.ReadFull(w, make([]byte, 4)); err != nil {
+			t.Fatal(err)
+		}
+	} else {
+		w, r = acceptedPair(t, ln, func() (net.Conn, error) { return d.Dial("tcp", ln.Addr().String()) })
+	}
+	if when == whenBefore {
+		// The option is on the client: it writes (onClient) or reads.
+		if !row.onClient {
+			w, r = r, w
+		}
+		return w, r
+	}
+	{
+		target := r
+		if row.onClient {
+			target = w
+		}
+		onFD(t, target, func(fd int) { row.set(t, fd) })
+	}
+	return w, r
+}
+
+// acceptedPair dials ln and returns both ends (paired or not).
+func acceptedPair(t *testing.T, ln net.Listener, dial func() (net.Conn, error)) (client, server net.Conn) {
+	t.Helper()
+	acc := make(chan net.Conn, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			acc <- nil
+			return
+		}
+		acc <- c
+	}()
+	client, err := dial()
+	if err != nil {
+		t.Fatalf("dial: %v", err)
+	}
+	t.Cleanup(func() { client.Close() })
+	if server = <-acc; server == nil {
+		t.Fatal("accept failed")
+	}
+	t.Cleanup(func() { server.Close() })
+	return client, server
+}
+
+func TestPrivilegedCompatSocketOptions(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		for _, row := range compatRows {
+			for _, when := range []compatWhen{whenBefore, whenAccepted, whenExchanged} {
+				t.Run(fmt.Sprintf("%s/%s", row.name, when), func(t *testing.T) {
+					var before Stats
+					if a != nil {
+						before = stats(t, a)
+					}
+					w, r := compatConn(t, a, row, when)
+					row.check(t, w, r)
+					if a == nil {
+						return
+					}
+					d := stats(t, a).Sub(before)
+					if d.PassthroughConnections[row.reason] == 0 {
+						t.Fatalf("the agent counted no %s connection (passthrough %v)", row.reason, d.PassthroughConnections)
+					}
+				})
+			}
+		}
+	})
+}
