@@ -389,7 +389,7 @@ func disconnectWithUnread(t *testing.T, ln net.Listener) (fd int, old net.Conn) 
 // connections on those ports to TCP; the check runs on such a later one.
 func TestPrivilegedFaithfulReconnectAfterDisconnect(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	forEachAgent(t, func(t *testing.T, a *Agent) {
+	forEachAgentConfig(t, Config{LearnFromSyscalls: true}, func(*testing.T) net.Listener { return nil }, func(t *testing.T, a *Agent, _ net.Listener) {
 		lnA, lnB := mustListen(t, "127.0.0.1:0"), mustListen(t, "127.0.0.1:0")
 		defer lnA.Close()
 		defer lnB.Close()

@@ -150,7 +150,7 @@ func serveSpliceEcho(t *testing.T) string {
 // documented remedy is to exclude their port, and then they work.
 func TestPrivilegedFallbackSpliceReceiverExcluded(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	a := startAgent(t, Config{})
+	a := startAgent(t, Config{LearnFromSyscalls: true})
 	target := serveSpliceEcho(t)
 	if err := a.ApplyPolicy(Policy{ExcludePorts: []uint16{portOf(t, target)}}); err != nil {
 		t.Fatal(err)
@@ -200,7 +200,7 @@ func TestPrivilegedFallbackUnpairableSNAT(t *testing.T) {
 // reader was already paired; its redirected bytes are invisible to splice.)
 func TestPrivilegedSpliceReaderPortLeftToTCP(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	a := startAgent(t, Config{})
+	a := startAgent(t, Config{LearnFromSyscalls: true})
 	target := serveSpliceEcho(t)
 
 	// The revealing connection: its outcome is the documented hazard.

@@ -248,34 +248,6 @@ func TestPrivilegedFaithfulLearnedOOB(t *testing.T) {
 	})
 }
 
-// SO_RCVLOWAT 3000 set on an accepted socket, data in 1000-byte pieces: a
-// blocking recv returns 3000.
-func TestPrivilegedFaithfulLearnedRcvlowat(t *testing.T) {
-	testutil.RequirePrivileged(t)
-	learnedCase(t, "rcvlowat", func(t *testing.T, _, server net.Conn) {
-		onFD(t, server, func(fd int) { unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVLOWAT, 3000) })
-	}, func(t *testing.T, client, server net.Conn) {
-		onFD(t, server, func(fd int) {
-			if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVLOWAT, 3000); err != nil {
-				t.Fatal(err)
-			}
-		})
-		buf := make([]byte, 4096)
-		done := blockingCall(t, server, unix.SYS_RECVFROM, func(fd int) (int, error) {
-			n, _, err := unix.Recvfrom(fd, buf, 0)
-			return n, err
-		})
-		for range 3 {
-			if _, err := client.Write(make([]byte, 1000)); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if err := <-done; err.Error() != "returned 3000" {
-			t.Fatalf("recv with SO_RCVLOWAT 3000: %v, want 3000 bytes", err)
-		}
-	})
-}
-
 // close() with unread data: the peer's next read fails with ECONNRESET.
 func TestPrivilegedFaithfulLearnedUnreadClose(t *testing.T) {
 	testutil.RequirePrivileged(t)

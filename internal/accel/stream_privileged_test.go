@@ -236,10 +236,11 @@ func TestPrivilegedSmallStreamSwitchKeepsEveryByte(t *testing.T) {
 	})
 }
 
-// After the switch, both sockets are plain TCP sockets again: outside the
-// SOCKHASH, FIONREAD counts what arrived. A receiver that has not read its
-// redirected bytes stays in the SOCKHASH until it has (leaving would free
-// them), and reads them before the bytes that came by TCP.
+// A connection moves to TCP only where no reader can see two queues: while
+// the receiver has redirected bytes unread, a small stream stays redirected
+// (FIONREAD counts all of it); once it has read them, the next small writes
+// switch, and both sockets leave the SOCKHASH at their first TCP packet,
+// before its bytes are queued: plain TCP sockets again, native FIONREAD.
 func TestPrivilegedSmallStreamSocketsLeave(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	forEachAgent(t, func(t *testing.T, a *Agent) {
@@ -247,30 +248,29 @@ func TestPrivilegedSmallStreamSocketsLeave(t *testing.T) {
 		defer ln.Close()
 		client, server := pairedConn(t, a, ln, dialer(ln.Addr().String()))
 		up := &streamDir{w: client, r: server}
-		// Nobody reads: the first messages wait in the redirect queue, the
-		// rest (after the switch) in the TCP queue.
+		// Nobody reads: one queue holds everything, whichever it is.
 		if err := up.send(SmallStreamRun+200, smallSize); err != nil {
 			t.Fatal(err)
 		}
-		if a != nil {
-			waitFor(t, "the writer to leave the SOCKHASH", func() bool { return !inSockhash(t, a, client) })
-			if !inSockhash(t, a, server) {
-				t.Fatal("the receiver left the SOCKHASH with redirected bytes unread: they would be lost")
-			}
+		if err := awaitInq(up.r, int(up.written)); err != nil {
+			t.Fatal(err)
+		}
+		if a != nil && (!inSockhash(t, a, client) || !inSockhash(t, a, server)) {
+			t.Fatal("the connection left the redirect while its receiver held unread redirected bytes")
 		}
 		if err := up.recv(up.written, false, false); err != nil {
 			t.Fatal(err)
 		}
-		// One more byte makes the receiver send (an ACK), where it leaves.
+		// Everything read: the small stream switches now, and both leave.
 		if a != nil {
-			waitFor(t, "the receiver to leave the SOCKHASH", func() bool {
-				if err := up.send(1, func(int) int { return 1 }); err != nil {
+			waitFor(t, "both sockets to leave the SOCKHASH", func() bool {
+				if err := up.send(SmallStreamRun, smallSize); err != nil {
 					t.Fatal(err)
 				}
 				if err := up.recv(up.written, false, false); err != nil {
 					t.Fatal(err)
 				}
-				return !inSockhash(t, a, server)
+				return !inSockhash(t, a, client) && !inSockhash(t, a, server)
 			})
 		}
 		// FIONREAD, both ways.
