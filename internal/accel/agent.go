@@ -142,7 +142,8 @@ type Config struct {
 }
 
 // DataPathConstants are the data path's load-time settings for cfg (the
-// tap's program, which replaces the agent's while it runs, uses the defaults).
+// tap's program, which replaces the agent's while it runs, takes them from
+// the agent's loaded program instead: internal/tap).
 func DataPathConstants(cfg Config) map[string]any {
 	cfg.setDefaults()
 	run := uint32(SmallStreamRun)

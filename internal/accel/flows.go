@@ -181,14 +181,6 @@ func endpointAddrPort(e accelMwEndpoint) netip.AddrPort {
 	return netip.AddrPortFrom(netip.AddrFrom16(b).Unmap(), uint16(e.PortHost))
 }
 
-// ObservationConstants are the observation's load-time settings for a
-// program that stands in for the agent's (the tap's sk_msg): the agent at
-// pinDir observes when its observation links are pinned.
-func ObservationConstants(pinDir string) (map[string]any, error) {
-	_, err := os.Stat(filepath.Join(pinDir, obsEgressPin))
-	return obsConstants(Config{Observe: err == nil})
-}
-
 // obsConstants are the observation's load-time settings.
 func obsConstants(cfg Config) (map[string]any, error) {
 	if len(ObsBucketBounds) != len(accelMwFlow{}.Buckets)-1 {

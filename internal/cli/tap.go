@@ -35,8 +35,9 @@ Traffic meshwarp does not redirect is not here: capture it with tcpdump.
 Drops are never silent: messages lost because tap fell behind and messages
 cut by the snaplen are counted on stderr and in the pcapng interface
 statistics. With no tap running the agent's program does no tap work at all:
-tap swaps its own program into the agent's link and swaps the agent's back on
-exit (also on Ctrl-C).`,
+tap swaps its own program into the agent's link, with the settings the
+agent's program runs with, and puts that same program back on exit (also on
+Ctrl-C). One tap at a time.`,
 		Example: `  meshwarp tap -w /tmp/mesh.pcapng --duration 30s
   meshwarp tap -w - --port 8080 | tshark -r - -Y http
   meshwarp tap -w app.pcapng --pod meshwarp-pod-1 --count 1000`,

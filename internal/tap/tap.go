@@ -13,7 +13,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"maps"
 	"os"
 	"path/filepath"
 	"time"
@@ -21,6 +20,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/ringbuf"
+	"golang.org/x/sys/unix"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/netns"
@@ -55,12 +55,20 @@ var (
 	ErrNoAgent = errors.New("no meshwarp agent is attached")
 	// ErrBadOptions: the options cannot work; nothing was attached.
 	ErrBadOptions = errors.New("bad tap options")
+	// ErrBusy: another tap holds the agent's link; nothing was attached.
+	ErrBusy = errors.New("another tap is running")
 )
 
-const skmsgLinkPin = "mw_skmsg_link"
+const (
+	skmsgLinkPin = "mw_skmsg_link"
+	// tapProgram is the tap's sk_msg program (bpf/tap/tap.bpf.c).
+	tapProgram = "mw_skmsg_tap"
+)
 
-// Run taps until ctx ends, Count messages were seen or Duration passed. On
-// return (also on error) the agent's own program is back in its link.
+// Run taps until ctx ends, Count messages were seen or Duration passed.
+// While it runs, the tap's program runs with the settings the agent's
+// program was loaded with (read from the kernel); on return (also on error)
+// the agent's own program, the one that was in the link, is back in it.
 func Run(ctx context.Context, o Options) (res Result, err error) {
 	if o.PinDir == "" {
 		o.PinDir = accel.DefaultPinDir
@@ -82,23 +90,50 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 		}
 	}
 
+	l, err := link.LoadPinnedLink(linkPin, nil)
+	if err != nil {
+		return res, fmt.Errorf("open the agent's sk_msg link %s: %w", linkPin, err)
+	}
+	defer l.Close()
+	raw, ok := l.(*link.RawLink)
+	if !ok {
+		return res, fmt.Errorf("the agent's sk_msg link %s is a %T, not a sockmap link (same meshwarp build?)", linkPin, l)
+	}
+	// The agent's program: its constants are the tap's, and it goes back
+	// into the link when the tap ends (this very program, not a copy).
+	agentProg, err := linkedProgram(l)
+	if err != nil {
+		return res, fmt.Errorf("find the agent's sk_msg program in %s: %w", linkPin, err)
+	}
+	defer agentProg.Close()
+	if info, err := agentProg.Info(); err != nil {
+		return res, fmt.Errorf("read the agent's sk_msg program: %w", err)
+	} else if info.Name == tapProgram {
+		return res, fmt.Errorf("%w: the agent's sk_msg link %s runs %s; wait for that tap to end "+
+			"(if it was killed, restart `meshwarp run`, which puts the agent's program back)", ErrBusy, linkPin, tapProgram)
+	}
+	agentConsts, err := loadedConstants(agentProg)
+	if err != nil {
+		return res, fmt.Errorf("read the agent's settings from its sk_msg program: %w", err)
+	}
+
 	spec, err := loadTap()
 	if err != nil {
 		return res, fmt.Errorf("load tap spec: %w", err)
 	}
-	consts := accel.DataPathConstants(accel.Config{})
-	// The agent's observation goes on while the tap's program stands in.
-	obs, err := accel.ObservationConstants(o.PinDir)
-	if err != nil {
+	var vars tapVariableSpecs
+	if err := spec.Assign(&vars); err != nil {
+		return res, fmt.Errorf("find the tap's variables: %w", err)
+	}
+	if err := useConstants(spec, agentConsts, vars.TapSnaplen.Name, vars.TapPort.Name, vars.TapNetns.Name); err != nil {
 		return res, err
 	}
-	maps.Copy(consts, obs)
-	consts["tap_snaplen"] = uint32(o.Snaplen)
-	consts["tap_port"] = uint32(o.Port)
-	consts["tap_netns"] = netnsCookie
-	for name, v := range consts {
-		if err := spec.Variables[name].Set(v); err != nil {
-			return res, fmt.Errorf("set %s: %w", name, err)
+	for _, set := range []struct {
+		v   *ebpf.VariableSpec
+		val any
+	}{{vars.TapSnaplen, uint32(o.Snaplen)}, {vars.TapPort, uint32(o.Port)}, {vars.TapNetns, netnsCookie}} {
+		if err := set.v.Set(set.val); err != nil {
+			return res, fmt.Errorf("set %s: %w", set.v.Name, err)
 		}
 	}
 	cpus, err := ebpf.PossibleCPU()
@@ -109,7 +144,6 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 	// Only the pinned maps are used: a tap never creates agent state.
 	var objs struct {
 		Tap      *ebpf.Program `ebpf:"mw_skmsg_tap"`
-		Plain    *ebpf.Program `ebpf:"mw_skmsg"`
 		Ring     *ebpf.Map     `ebpf:"mw_tap_ring"`
 		Counters *ebpf.Map     `ebpf:"mw_tap_counters"`
 	}
@@ -129,7 +163,6 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 		return res, fmt.Errorf("load the tap program against the agent's maps at %s (same meshwarp build?): %w", o.PinDir, err)
 	}
 	defer objs.Tap.Close()
-	defer objs.Plain.Close()
 	defer objs.Ring.Close()
 	defer objs.Counters.Close()
 
@@ -143,12 +176,12 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 		return res, err
 	}
 
-	l, err := link.LoadPinnedLink(linkPin, nil)
-	if err != nil {
-		return res, fmt.Errorf("open the agent's sk_msg link %s: %w", linkPin, err)
-	}
-	defer l.Close()
-	if err := l.Update(objs.Tap); err != nil {
+	// Both swaps name the program they replace, so neither undoes a change
+	// made meanwhile by someone else (an agent restarting, another tap).
+	if err := raw.UpdateArgs(link.RawLinkUpdateOptions{New: objs.Tap, Old: agentProg, Flags: unix.BPF_F_REPLACE}); err != nil {
+		if errors.Is(err, unix.EPERM) {
+			return res, fmt.Errorf("%w: the program in %s changed while the tap started (an agent restart or another tap): run tap again", ErrBusy, linkPin)
+		}
 		return res, fmt.Errorf("swap the tap program into %s: %w", linkPin, err)
 	}
 	restored := false
@@ -157,7 +190,11 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 			return nil
 		}
 		restored = true
-		if err := l.Update(objs.Plain); err != nil {
+		err := raw.UpdateArgs(link.RawLinkUpdateOptions{New: agentProg, Old: objs.Tap, Flags: unix.BPF_F_REPLACE})
+		if errors.Is(err, unix.EPERM) {
+			return nil // the tap's program is no longer there: an agent (re)start replaced it
+		}
+		if err != nil {
 			return fmt.Errorf("restore the agent's sk_msg program (restart `meshwarp run` to be sure): %w", err)
 		}
 		return nil
@@ -250,11 +287,7 @@ func LinkProgram(pinDir string) (string, error) {
 		return "", err
 	}
 	defer l.Close()
-	info, err := l.Info()
-	if err != nil {
-		return "", err
-	}
-	p, err := ebpf.NewProgramFromID(info.Program)
+	p, err := linkedProgram(l)
 	if err != nil {
 		return "", err
 	}
