@@ -75,7 +75,8 @@ var programTypes = []struct {
 }{
 	{"prog sock_ops", ebpf.SockOps, true, "registers sockets as TCP connections establish", configCgroup},
 	{"prog sk_msg", ebpf.SkMsg, true, "redirects sendmsg data to the peer socket", configSockMsg},
-	{"prog tracepoint", ebpf.TracePoint, false, "syscall watches (what a redirect cannot honour)", configTrace},
+	{"prog cgroup_sockopt", ebpf.CGroupSockopt, true, "sees socket options the redirect ignores, set by the cgroup's processes", configCgroup},
+	{"prog tracepoint", ebpf.TracePoint, false, "syscall watches (run --learn-from-syscalls)", configTrace},
 	{"prog tracing", ebpf.Tracing, false, "observation: the client application's read (tp_btf sock:sock_recv_length)", configTrace},
 	{"prog cgroup_skb", ebpf.CGroupSKB, false, "observation of connections that are not accelerated (run --observe)", configCgroup},
 	{"prog sched_cls", ebpf.SchedCLS, false, "cross-node forwarding (run --cross-node; tcx links, Linux 6.6)", configTC},
@@ -144,6 +145,7 @@ var helpers = []struct {
 	{ebpf.SkMsg, "sk_msg", asm.FnRingbufOutput, "bpf_ringbuf_output", "meshwarp tap: hands messages to user space", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnGetNetnsCookie, "bpf_get_netns_cookie", "meshwarp tap --pod/--netns", configSockMsg},
 	{ebpf.Tracing, "tracing", asm.FnSkStorageGet, "bpf_sk_storage_get", "observation: per-socket state at the client's read (Linux 5.11; probed as the tracepoint's BTF)", configTrace},
+	{ebpf.CGroupSockopt, "cgroup_sockopt", asm.FnSkStorageGet, "bpf_sk_storage_get", "finds the connection of a socket whose options change", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkFullsock, "bpf_sk_fullsock", "observation: the segment's socket", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkStorageGet, "bpf_sk_storage_get", "observation: per-socket state", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkbLoadBytes, "bpf_skb_load_bytes", "observation: the segment's first bytes", configCgroup},
@@ -156,7 +158,7 @@ var helpers = []struct {
 	{ebpf.SchedCLS, "sched_cls", asm.FnSkbPullData, "bpf_skb_pull_data", "cross-node: headers in the linear area", configTC},
 	{ebpf.SchedCLS, "sched_cls", asm.FnSkbStoreBytes, "bpf_skb_store_bytes", "cross-node: the IPv6 hop limit, with the packet checksum", configTC},
 	{ebpf.SchedCLS, "sched_cls", asm.FnCheckMtu, "bpf_check_mtu", "cross-node: GSO packets checked by segment against the egress MTU (Linux 5.12)", configTC},
-	{ebpf.TracePoint, "tracepoint", asm.FnProbeReadUser, "bpf_probe_read_user", "reads the value of setsockopt(SO_RCVLOWAT) (syscall watch)", configTrace},
+	{ebpf.TracePoint, "tracepoint", asm.FnProbeReadUser, "bpf_probe_read_user", "reads connect()'s address family (syscall watch)", configTrace},
 }
 
 // baseHelpers are available to every program type meshwarp loads on every
