@@ -317,14 +317,14 @@ func (o *runOptions) daemonSetCheck() (func() (bool, string), error) {
 	if err != nil {
 		return nil, fmt.Errorf("--keep-on-exit-while-daemonset %w", err)
 	}
-	client, err := kube.Client(o.kubeconfig)
+	client, err := kube.NewClient(o.kubeconfig)
 	if err != nil {
 		return nil, fmt.Errorf("--keep-on-exit-while-daemonset needs the Kubernetes API (in a pod: a service account; else --kubeconfig): %w", err)
 	}
 	return func() (bool, string) {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
-		return kube.DaemonSetStays(ctx, client, ref)
+		return client.DaemonSetStays(ctx, ref)
 	}, nil
 }
 
