@@ -21,6 +21,10 @@ fi
 step "go vet"
 go vet ./...
 
+step "build both binaries (meshwarp, meshwarp-agent)"
+go build -o /dev/null ./cmd/meshwarp
+go build -o /dev/null ./cmd/meshwarp-agent
+
 step "generate-check (committed BPF objects match bpf/ sources)"
 scripts/generate-check.sh
 

@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 
-// Command meshwarp is the node agent and lab of meshwarp: it accelerates
-// same-node TCP with sock_ops + sk_msg, shows what it does, and proves it.
+// Command meshwarp is meshwarp for people: the node agent's commands and the
+// lab, bench, top, trace and tap. It accelerates same-node TCP with
+// sock_ops + sk_msg, shows what it does, and proves it. The DaemonSet runs
+// the smaller cmd/meshwarp-agent.
 package main
 
 import (
@@ -11,11 +13,12 @@ import (
 	"syscall"
 
 	"github.com/meshwarp/meshwarp/internal/cli"
+	"github.com/meshwarp/meshwarp/internal/cli/full"
 )
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := cli.Execute(ctx, os.Args[1:])
+	code := cli.Execute(ctx, full.NewRootCommand(), os.Args[1:])
 	stop()
 	os.Exit(code)
 }

@@ -3,7 +3,7 @@
 // Package helm tests the chart in deploy/helm/meshwarp with Helm's own
 // packages: it renders, lints, validates its values, every object decodes
 // strictly into its typed API struct, and the agent's flags parse with the
-// real `meshwarp run` command.
+// real `meshwarp-agent run` command (what the image runs).
 package helm
 
 import (
@@ -152,7 +152,8 @@ func TestChartRendersAndDecodes(t *testing.T) {
 	}
 }
 
-// The rendered container args are parsed by the real `meshwarp run`.
+// The rendered container args are parsed by the real `meshwarp-agent run`,
+// the command the image runs.
 func TestChartArgsParseWithTheAgent(t *testing.T) {
 	c := loadChart(t)
 	for _, file := range []string{"", "testdata/every-option.yaml"} {
@@ -162,13 +163,13 @@ func TestChartArgsParseWithTheAgent(t *testing.T) {
 		for i, a := range args { // what the kubelet substitutes
 			args[i] = strings.ReplaceAll(a, "$(POD_NAMESPACE)", namespace)
 		}
-		root := cli.NewRootCommand()
+		root := cli.NewAgentCommand()
 		cmd, rest, err := root.Find(args)
 		if err != nil || cmd.Name() != "run" {
 			t.Fatalf("%s: args %q do not name the run command: %v", file, args, err)
 		}
 		if err := cmd.ParseFlags(rest); err != nil {
-			t.Fatalf("%s: `meshwarp run` rejects the chart's args %q: %v", file, args, err)
+			t.Fatalf("%s: `meshwarp-agent run` rejects the chart's args %q: %v", file, args, err)
 		}
 		if err := cmd.ValidateArgs(cmd.Flags().Args()); err != nil {
 			t.Fatalf("%s: %v", file, err)

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 
 // Package image tests the agent's container image: built with podman from
-// deploy/image/Containerfile, run with exactly the chart's capabilities
-// (not privileged), it probes ready and accelerates a cgroup of the host.
+// deploy/image/Containerfile, it runs meshwarp-agent; run with exactly the
+// chart's capabilities (not privileged), it probes ready and accelerates a
+// cgroup of the host.
 package image
 
 import (
@@ -34,6 +35,10 @@ func TestPrivilegedImageRunsTheAgent(t *testing.T) {
 		t.Fatalf("build.sh: %v\n%s", err, out)
 	}
 	t.Cleanup(func() { podman(t, "rmi", "-f", image) })
+	// The chart passes only args: the entrypoint must be the agent binary.
+	if out, err := podman(t, "image", "inspect", "--format", "{{json .Config.Entrypoint}}", image); err != nil || strings.TrimSpace(out) != `["/meshwarp-agent"]` {
+		t.Fatalf("image entrypoint: %v %s, want [\"/meshwarp-agent\"]", err, out)
+	}
 
 	cgroot, err := probe.Cgroup2Root()
 	if err != nil {

@@ -100,10 +100,10 @@ func TestStatsSub(t *testing.T) {
 
 // The names the Go side prints must match the C enums' order.
 func TestReasonAndHopNames(t *testing.T) {
-	if len(reasonNames) != len(accelMwCounters{}.PassthroughMsgs) {
-		t.Fatalf("%d reason names for %d counters (bpf/accel/accel.h MW_REASON_MAX)", len(reasonNames), len(accelMwCounters{}.PassthroughMsgs))
+	if len(reasonNames()) != len(accelMwCounters{}.PassthroughMsgs) {
+		t.Fatalf("%d reason names for %d counters (bpf/accel/accel.h MW_REASON_MAX)", len(reasonNames()), len(accelMwCounters{}.PassthroughMsgs))
 	}
-	if len(hopNames) != len(accelMwCounters{}.HopMsgs) {
-		t.Fatalf("%d hop names for %d counters (MW_HOP_MAX)", len(hopNames), len(accelMwCounters{}.HopMsgs))
+	if len(hopNames()) != len(accelMwCounters{}.HopMsgs) {
+		t.Fatalf("%d hop names for %d counters (MW_HOP_MAX)", len(hopNames()), len(accelMwCounters{}.HopMsgs))
 	}
 }

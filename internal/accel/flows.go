@@ -33,15 +33,15 @@ var ObsBucketBounds = []time.Duration{
 // Point, protocol, method and TCP outcome names come from the C enums
 // (bpf/accel/accel.h), like reasons and hops.
 var (
-	pointNames   = mustEnumNames("mw_point", "MW_POINT_")
-	protoNames   = mustEnumNames("mw_proto", "MW_PROTO_")
-	methodNames  = mustEnumNames("mw_method", "MW_METHOD_")
-	outcomeNames = mustEnumNames("mw_tcp_outcome", "MW_TCP_")
+	pointNames   = enumNames("mw_point", "MW_POINT_")
+	protoNames   = enumNames("mw_proto", "MW_PROTO_")
+	methodNames  = enumNames("mw_method", "MW_METHOD_")
+	outcomeNames = enumNames("mw_tcp_outcome", "MW_TCP_")
 )
 
 // PointNames lists the observation points from the client inwards (the
 // order a request through two sidecars meets them).
-func PointNames() []string { return append([]string(nil), pointNames...) }
+func PointNames() []string { return append([]string(nil), pointNames()...) }
 
 // Point names (see enum mw_point).
 const (
@@ -136,8 +136,8 @@ func readFlows(m *ebpf.Map) ([]Flow, error) {
 
 func flowOf(k accelMwFlowKey, v accelMwFlow) Flow {
 	f := Flow{
-		Point:       enumName(pointNames, uint32(k.Point)),
-		Proto:       enumName(protoNames, uint32(k.Proto)),
+		Point:       enumName(pointNames(), uint32(k.Point)),
+		Proto:       enumName(protoNames(), uint32(k.Proto)),
 		Accelerated: k.Accelerated != 0,
 		Server:      endpointAddrPort(k.Server),
 		Netns:       k.Netns,
@@ -150,7 +150,7 @@ func flowOf(k accelMwFlowKey, v accelMwFlow) Flow {
 		f.Method = HTTPMethodName(uint32(k.Method))
 		f.Status = int(k.Status)
 	} else {
-		f.Outcome = enumName(outcomeNames, uint32(k.Outcome))
+		f.Outcome = enumName(outcomeNames(), uint32(k.Outcome))
 	}
 	return f
 }
@@ -158,7 +158,7 @@ func flowOf(k accelMwFlowKey, v accelMwFlow) Flow {
 // HTTPMethodName renders a method as OpenTelemetry does: upper case, and
 // "_OTHER" for methods outside the known set.
 func HTTPMethodName(v uint32) string {
-	n := enumName(methodNames, v)
+	n := enumName(methodNames(), v)
 	if n == "other" || n == "" {
 		return "_OTHER"
 	}

@@ -119,30 +119,18 @@ type HopStats struct {
 
 // Reason and hop names come from the C enums in the object's BTF
 // (MW_REASON_NO_PEER -> "no_peer"), indexed by value: bpf/accel/accel.h is
-// the only list.
+// the only list. Read on first use, not at init (see btfenum.Lazy).
 var (
-	reasonNames = mustEnumNames("mw_reason", "MW_REASON_")
-	hopNames    = mustEnumNames("mw_hop", "MW_HOP_")
+	enumNames   = btfenum.Lazy("accel", _AccelBytes)
+	reasonNames = enumNames("mw_reason", "MW_REASON_")
+	hopNames    = enumNames("mw_hop", "MW_HOP_")
 )
 
-// mustEnumNames lists the values of a C enum as lowercase names without
-// prefix, indexed by value; the trailing *_MAX sentinel is left out.
-func mustEnumNames(enum, prefix string) []string {
-	spec, err := loadAccel()
-	if err == nil {
-		var names []string
-		if names, err = btfenum.Names(spec, enum, prefix); err == nil {
-			return names
-		}
-	}
-	panic(fmt.Sprintf("embedded accel object: %v", err))
-}
-
 // ReasonNames lists every passthrough reason (for metrics and docs); "none" is left out.
-func ReasonNames() []string { return append([]string(nil), reasonNames[1:]...) }
+func ReasonNames() []string { return append([]string(nil), reasonNames()[1:]...) }
 
 // HopNames lists every hop kind.
-func HopNames() []string { return append([]string(nil), hopNames[:]...) }
+func HopNames() []string { return append([]string(nil), hopNames()...) }
 
 // ReadPinnedStats reads the counters of the agent pinned at pinDir, from any
 // process, while the agent runs or after it was killed.
@@ -228,7 +216,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 	if done := t.SocketsClosed + t.SocketsLeft; t.SocketsPaired > done {
 		s.AcceleratedSockets = t.SocketsPaired - done
 	}
-	for i, name := range reasonNames {
+	for i, name := range reasonNames() {
 		if i == 0 {
 			continue
 		}
@@ -240,7 +228,7 @@ func sumCounters(perCPU []accelMwCounters) Stats {
 		s.PassthroughMessages += t.PassthroughMsgs[i]
 		s.PassthroughBytes += t.PassthroughBytes[i]
 	}
-	for i, name := range hopNames {
+	for i, name := range hopNames() {
 		s.Hops[name] = HopStats{
 			PairedConnections:  t.HopConns[i],
 			RedirectedMessages: t.HopMsgs[i],

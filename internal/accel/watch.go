@@ -97,8 +97,8 @@ func readUnfitProcesses(m *ebpf.Map) ([]UnfitProcess, error) {
 			comm = append(comm, byte(c))
 		}
 		reason := ""
-		if int(key.Reason) < len(reasonNames) {
-			reason = reasonNames[key.Reason]
+		if names := reasonNames(); int(key.Reason) < len(names) {
+			reason = names[key.Reason]
 		}
 		out = append(out, UnfitProcess{PID: key.Tgid, Comm: string(bytes.TrimRight(comm, "\x00")), Reason: reason, Calls: v.Calls})
 	}

@@ -17,7 +17,7 @@ import (
 	"github.com/santhosh-tekuri/jsonschema/v6"
 
 	"github.com/meshwarp/meshwarp/internal/bench"
-	"github.com/meshwarp/meshwarp/internal/cli"
+	"github.com/meshwarp/meshwarp/internal/cli/full"
 	"github.com/meshwarp/meshwarp/internal/lab"
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
@@ -57,7 +57,7 @@ func TestPrivilegedBenchQuick(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	root := cli.NewRootCommand()
+	root := full.NewRootCommand()
 	var stdout, stderr bytes.Buffer
 	root.SetOut(&stdout)
 	root.SetErr(&stderr)

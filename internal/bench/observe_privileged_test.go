@@ -17,7 +17,7 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/bench"
-	"github.com/meshwarp/meshwarp/internal/cli"
+	"github.com/meshwarp/meshwarp/internal/cli/full"
 	"github.com/meshwarp/meshwarp/internal/observe"
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
@@ -43,7 +43,7 @@ func TestPrivilegedObserveBreakdown(t *testing.T) {
 			traced := make(chan traceResult, 1)
 			go func() { traced <- traceWhileBenchRuns(ctx) }()
 
-			root := cli.NewRootCommand()
+			root := full.NewRootCommand()
 			var stdout, stderr bytes.Buffer
 			root.SetOut(&stdout)
 			root.SetErr(&stderr)
@@ -174,7 +174,7 @@ func traceWhileBenchRuns(ctx context.Context) traceResult {
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
-	root := cli.NewRootCommand()
+	root := full.NewRootCommand()
 	var stdout, stderr bytes.Buffer
 	root.SetOut(&stdout)
 	root.SetErr(&stderr)

@@ -11,7 +11,7 @@ import (
 	"github.com/meshwarp/meshwarp/internal/accel"
 )
 
-func newCleanupCommand(g *globalOptions) *cobra.Command {
+func newCleanupCommand(g *Global) *cobra.Command {
 	var pinDir string
 	var asJSON bool
 	cmd := &cobra.Command{

@@ -14,7 +14,7 @@ import (
 	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
-func newProbeCommand(g *globalOptions) *cobra.Command {
+func newProbeCommand(g *Global) *cobra.Command {
 	var (
 		asJSON  bool
 		noMount bool
@@ -54,14 +54,14 @@ its fix), 2 bad flags.`,
   meshwarp probe --json | jq '.checks[] | select(.status != "ok")'`,
 		Args: func(_ *cobra.Command, args []string) error {
 			if len(args) > 0 {
-				return usageError("probe takes no arguments, got %q", args)
+				return UsageError("probe takes no arguments, got %q", args)
 			}
 			return nil
 		},
 		SilenceUsage: true,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			report := probe.Run(probe.Options{MountBPFFS: !noMount, BPFFSPath: bpffs})
-			logger := g.logger(cmd.ErrOrStderr()).With("subsys", "probe")
+			logger := g.Logger(cmd.ErrOrStderr()).With("subsys", "probe")
 			for _, c := range report.Checks {
 				logger.Debug("probe check", "name", c.Name, "status", c.Status, "required", c.Required, "detail", c.Detail)
 			}
@@ -77,7 +77,7 @@ its fix), 2 bad flags.`,
 				return fmt.Errorf("write report: %w", err)
 			}
 			if !report.Ready {
-				return withExit(ExitNotReady, fmt.Errorf("probe: not ready (%d required checks not ok)", len(report.Missing())))
+				return WithExit(ExitNotReady, fmt.Errorf("probe: not ready (%d required checks not ok)", len(report.Missing())))
 			}
 			return nil
 		},

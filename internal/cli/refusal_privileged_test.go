@@ -29,8 +29,9 @@ import (
 // (root.go: 2 usage, 3 not ready, 1 other) and leaves nothing attached or
 // pinned. The real binary runs in its own process, as an operator runs it.
 
-// buildMeshwarp builds ./cmd/meshwarp once into a directory every uid can
-// read and execute (the unprivileged case runs it as nobody).
+// buildMeshwarp builds ./cmd/meshwarp-agent (run and cleanup are what the
+// DaemonSet runs) into a directory every uid can read and execute (the
+// unprivileged case runs it as nobody).
 func buildMeshwarp(t *testing.T) string {
 	t.Helper()
 	wd, err := os.Getwd()
@@ -49,11 +50,11 @@ func buildMeshwarp(t *testing.T) string {
 	if err := os.Chmod(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	bin := filepath.Join(dir, "meshwarp")
-	cmd := exec.Command("go", "build", "-o", bin, "./cmd/meshwarp")
+	bin := filepath.Join(dir, "meshwarp-agent")
+	cmd := exec.Command("go", "build", "-o", bin, "./cmd/meshwarp-agent")
 	cmd.Dir = root
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build ./cmd/meshwarp: %v\n%s", err, out)
+		t.Fatalf("go build ./cmd/meshwarp-agent: %v\n%s", err, out)
 	}
 	return bin
 }

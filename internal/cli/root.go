@@ -1,7 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 
-// Package cli builds the meshwarp command tree. One constructor per
+// Package cli holds the node agent's commands (probe, run, status, cleanup,
+// version) and what every meshwarp command shares: global flags, exit codes,
+// Execute. cmd/meshwarp-agent runs NewAgentCommand; the meshwarp binary adds
+// the commands for people (internal/cli/full). One constructor per
 // subcommand; main only wires signals.
+//
+// Keep this package's imports to what the agent needs: `go list -deps
+// ./cmd/meshwarp-agent` must not list lab, bench, top, tap, fortio, Bubble
+// Tea or gopacket (TestAgentDependencies).
 package cli
 
 import (
@@ -35,85 +42,92 @@ type exitError struct {
 func (e *exitError) Error() string { return e.err.Error() }
 func (e *exitError) Unwrap() error { return e.err }
 
-// withExit wraps err so Execute exits with code.
-func withExit(code int, err error) error {
+// WithExit wraps err so Execute exits with code.
+func WithExit(code int, err error) error {
 	if err == nil {
 		return nil
 	}
 	return &exitError{code: code, err: err}
 }
 
-// usageError is a bad-input error: exit code 2.
-func usageError(format string, args ...any) error {
-	return withExit(ExitUsage, fmt.Errorf(format, args...))
+// UsageError is a bad-input error: exit code 2.
+func UsageError(format string, args ...any) error {
+	return WithExit(ExitUsage, fmt.Errorf(format, args...))
 }
 
-type globalOptions struct {
-	debug bool
+// Global holds the flags every command has.
+type Global struct {
+	Debug bool
 }
 
-func (g *globalOptions) logger(w io.Writer) *slog.Logger {
+// Logger logs to w at info level, debug with --debug.
+func (g *Global) Logger(w io.Writer) *slog.Logger {
 	level := slog.LevelInfo
-	if g.debug {
+	if g.Debug {
 		level = slog.LevelDebug
 	}
 	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: level}))
 }
 
-// NewRootCommand returns the meshwarp command tree.
-func NewRootCommand() *cobra.Command {
-	g := &globalOptions{}
+// NewRoot returns a command tree without subcommands: use is the binary's
+// name, long its help text.
+func NewRoot(use, short, long string) (*cobra.Command, *Global) {
+	g := &Global{}
 	root := &cobra.Command{
-		Use:   "meshwarp",
-		Short: "eBPF data-plane accelerator for service meshes",
-		Long: `meshwarp short-circuits TCP between sockets on the same node (app <-> sidecar,
-sidecar <-> sidecar, pod <-> pod) with sock_ops + sk_msg + SOCKHASH, shows what it
-does, and proves it with a lab of network namespaces and real sidecar proxies.
-
-Start with:
-  meshwarp probe          can this kernel accelerate? (names anything missing)
-  meshwarp run            attach and serve /metrics (root)
-  meshwarp status         what the running agent did
-  meshwarp tap -w F       accelerated traffic as pcapng (tcpdump cannot see it)
-  meshwarp lab up         build a node of namespaces with HAProxy sidecars
-  meshwarp bench --quick  direct / sidecar / sidecar+meshwarp side by side`,
+		Use:           use,
+		Short:         short,
+		Long:          long,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.PersistentFlags().BoolVar(&g.debug, "debug", false, "verbose logs")
+	root.PersistentFlags().BoolVar(&g.Debug, "debug", false, "verbose logs")
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error {
-		return withExit(ExitUsage, err)
+		return WithExit(ExitUsage, err)
 	})
-	root.AddCommand(
+	return root, g
+}
+
+// AgentCommands are what the DaemonSet runs; both binaries have them.
+func AgentCommands(g *Global) []*cobra.Command {
+	return []*cobra.Command{
 		newProbeCommand(g),
 		newRunCommand(g),
 		newStatusCommand(g),
 		newCleanupCommand(g),
-		newTapCommand(g),
-		newTraceCommand(g),
-		newTopCommand(g),
-		newLabCommand(g),
-		newBenchCommand(g),
 		newVersionCommand(),
-	)
+	}
+}
+
+// NewAgentCommand returns the meshwarp-agent command tree.
+func NewAgentCommand() *cobra.Command {
+	root, g := NewRoot("meshwarp-agent", "meshwarp's node agent: accelerates same-node TCP with eBPF",
+		`meshwarp-agent is what meshwarp's DaemonSet runs: it short-circuits TCP between
+sockets on the same node with sock_ops + sk_msg + SOCKHASH and serves what it
+does as Prometheus metrics. The meshwarp binary has the same commands and, for
+people, lab, bench, top, trace and tap.
+
+  meshwarp-agent probe     can this kernel accelerate? (names anything missing)
+  meshwarp-agent run       attach and serve /metrics (root)
+  meshwarp-agent status    what the running agent did
+  meshwarp-agent cleanup   detach and unpin what a killed agent left`)
+	root.AddCommand(AgentCommands(g)...)
 	return root
 }
 
 // Execute runs the command line and returns the process exit code.
-func Execute(ctx context.Context, args []string) int {
-	root := NewRootCommand()
+func Execute(ctx context.Context, root *cobra.Command, args []string) int {
 	root.SetArgs(args)
 	err := root.ExecuteContext(ctx)
 	if err == nil {
 		return ExitOK
 	}
-	fmt.Fprintf(os.Stderr, "meshwarp: %v\n", err)
-	return exitCode(err)
+	fmt.Fprintf(os.Stderr, "%s: %v\n", root.Name(), err)
+	return ExitCode(err)
 }
 
-// exitCode is the one mapping of errors to exit codes: an explicit
-// withExit, then the refusal kinds of the packages below.
-func exitCode(err error) int {
+// ExitCode is the one mapping of errors to exit codes: an explicit
+// WithExit, then the refusal kinds of the packages below.
+func ExitCode(err error) int {
 	var ee *exitError
 	switch {
 	case errors.As(err, &ee):
@@ -124,4 +138,12 @@ func exitCode(err error) int {
 		return ExitNotReady
 	}
 	return ExitFailure
+}
+
+// OnOff prints a switch.
+func OnOff(b bool) string {
+	if b {
+		return "on"
+	}
+	return "off"
 }

@@ -47,10 +47,10 @@ type runOptions struct {
 // changes under the agent (the kubelet swaps the file), nobody sends SIGHUP.
 const configPollInterval = 2 * time.Second
 
-// defaultMetricsPort is run's --metrics-addr port on 127.0.0.1.
-const defaultMetricsPort = 9464
+// DefaultMetricsPort is run's --metrics-addr port on 127.0.0.1.
+const DefaultMetricsPort = 9464
 
-func newRunCommand(g *globalOptions) *cobra.Command {
+func newRunCommand(g *Global) *cobra.Command {
 	o := &runOptions{}
 	cmd := &cobra.Command{
 		Use:   "run",
@@ -124,7 +124,7 @@ connection; exclude them up front so that no connection is affected.`,
 	f := cmd.Flags()
 	f.StringVar(&o.cgroup, "cgroup", "", "cgroup v2 directory to accelerate (default: the cgroup v2 root from /proc/mounts)")
 	f.StringVar(&o.pinDir, "pin-dir", accel.DefaultPinDir, "bpffs directory for pinned maps and links; one running agent per directory")
-	f.StringVar(&o.metricsAddr, "metrics-addr", fmt.Sprintf("127.0.0.1:%d", defaultMetricsPort), `address for /metrics and /healthz ("" disables)`)
+	f.StringVar(&o.metricsAddr, "metrics-addr", fmt.Sprintf("127.0.0.1:%d", DefaultMetricsPort), `address for /metrics and /healthz ("" disables)`)
 	f.Uint32Var(&o.sidecarUID, "sidecar-uid", accel.DefaultSidecarUID, "uid of the sidecar proxy (names the sidecar -> app hop)")
 	f.Uint32Var(&o.capacity, "capacity", accel.DefaultCapacity, "maximum accelerated sockets; beyond it connections use the normal stack")
 	f.DurationVar(&o.unpaired, "unpaired-timeout", accel.DefaultUnpairedTimeout,
@@ -167,24 +167,24 @@ func (o *runOptions) loadPolicy() (accel.Policy, error) {
 	return f.Policy()
 }
 
-func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
-	logger := g.logger(cmd.ErrOrStderr())
+func runAgent(cmd *cobra.Command, g *Global, o *runOptions) error {
+	logger := g.Logger(cmd.ErrOrStderr())
 	if o.capacity == 0 {
-		return usageError("--capacity must be at least 1")
+		return UsageError("--capacity must be at least 1")
 	}
 	if o.unpaired < time.Millisecond || o.unpaired > time.Minute {
-		return usageError("--unpaired-timeout %v: give 1ms..1m (default %v)", o.unpaired, accel.DefaultUnpairedTimeout)
+		return UsageError("--unpaired-timeout %v: give 1ms..1m (default %v)", o.unpaired, accel.DefaultUnpairedTimeout)
 	}
 	if !o.accelerate && !o.observe {
-		return usageError("--accelerate=false with --observe=false leaves nothing to do: keep one of them")
+		return UsageError("--accelerate=false with --observe=false leaves nothing to do: keep one of them")
 	}
 	if !o.crossNode && (len(o.nodeNetns) > 0 || len(o.uplinks) > 0) {
-		return usageError("--node-netns and --uplinks configure --cross-node: add --cross-node")
+		return UsageError("--node-netns and --uplinks configure --cross-node: add --cross-node")
 	}
 	var nodes []crossnode.Node
 	for _, ns := range o.nodeNetns {
 		if _, err := os.Stat(ns); err != nil {
-			return usageError("--node-netns %s: %v (give a network namespace path such as /run/netns/NAME or /proc/PID/ns/net)", ns, err)
+			return UsageError("--node-netns %s: %v (give a network namespace path such as /run/netns/NAME or /proc/PID/ns/net)", ns, err)
 		}
 		nodes = append(nodes, crossnode.Node{Netns: ns, Uplinks: o.uplinks})
 	}
@@ -193,15 +193,15 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 	}
 	policy, err := o.loadPolicy()
 	if err != nil {
-		return withExit(ExitUsage, fmt.Errorf("invalid policy: %w", err))
+		return WithExit(ExitUsage, fmt.Errorf("invalid policy: %w", err))
 	}
 	var keepWhile func() (bool, string)
 	if o.keepWhileDS != "" {
 		if o.keepOnExit {
-			return usageError("--keep-on-exit and --keep-on-exit-while-daemonset exclude each other: give one")
+			return UsageError("--keep-on-exit and --keep-on-exit-while-daemonset exclude each other: give one")
 		}
 		if keepWhile, err = o.daemonSetCheck(); err != nil {
-			return withExit(ExitUsage, err)
+			return WithExit(ExitUsage, err)
 		}
 	}
 	// Refuse before touching anything when the kernel cannot do it.
@@ -211,7 +211,7 @@ func runAgent(cmd *cobra.Command, g *globalOptions, o *runOptions) error {
 	}
 	if o.cgroup == "" {
 		if o.cgroup, err = probe.Cgroup2Root(); err != nil {
-			return withExit(ExitNotReady, err)
+			return WithExit(ExitNotReady, err)
 		}
 	}
 	agent, err := accel.Start(accel.Config{
@@ -321,14 +321,14 @@ func (o *runOptions) daemonSetCheck() (func() (bool, string), error) {
 	if err != nil {
 		return nil, fmt.Errorf("--keep-on-exit-while-daemonset %w", err)
 	}
-	client, err := kube.Client(o.kubeconfig)
+	client, err := kube.NewClient(o.kubeconfig)
 	if err != nil {
 		return nil, fmt.Errorf("--keep-on-exit-while-daemonset needs the Kubernetes API (in a pod: a service account; else --kubeconfig): %w", err)
 	}
 	return func() (bool, string) {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
-		return kube.DaemonSetStays(ctx, client, ref)
+		return client.DaemonSetStays(ctx, ref)
 	}, nil
 }
 

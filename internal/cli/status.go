@@ -17,7 +17,7 @@ import (
 	"github.com/meshwarp/meshwarp/internal/crossnode"
 )
 
-func newStatusCommand(g *globalOptions) *cobra.Command {
+func newStatusCommand(g *Global) *cobra.Command {
 	var pinDir string
 	var asJSON bool
 	cmd := &cobra.Command{
@@ -173,13 +173,13 @@ func printDetached(w io.Writer, pinDir string, asJSON bool, notPinned error) err
 		if err := enc.Encode(map[string]any{"attached": false, "detached_accelerated_sockets": open}); err != nil {
 			return err
 		}
-		return withExit(ExitFailure, fmt.Errorf("no agent pinned at %s", pinDir))
+		return WithExit(ExitFailure, fmt.Errorf("no agent pinned at %s", pinDir))
 	}
 	if open > 0 {
 		fmt.Fprintf(w, "no agent attached at %s; %d sockets accelerated by an earlier agent are still open\n"+
 			"(they keep working until they close; new connections use the normal stack)\n", pinDir, open)
 	}
-	return withExit(ExitFailure, notPinned)
+	return WithExit(ExitFailure, notPinned)
 }
 
 func sortedKeys(m map[string]uint64) []string {
@@ -211,7 +211,7 @@ func printCrossNode(w io.Writer, x *crossnode.Stats) {
 		if n.Netns != "" {
 			name = fmt.Sprintf("%s (netns cookie %d)", n.Netns, n.NetnsCookie)
 		}
-		fmt.Fprintf(tw, "  node %s\t%s; ipv4 %s, ipv6 %s\n", name, state, labOnOff(n.IPv4), labOnOff(n.IPv6))
+		fmt.Fprintf(tw, "  node %s\t%s; ipv4 %s, ipv6 %s\n", name, state, OnOff(n.IPv4), OnOff(n.IPv6))
 		for _, b := range []struct {
 			fam string
 			by  []string

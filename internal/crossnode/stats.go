@@ -56,28 +56,19 @@ type NodeState struct {
 }
 
 // Reason and direction names come from the C enums in the object's BTF
-// (MW_XN_REASON_NO_NEIGHBOUR -> "no_neighbour"): bpf/crossnode is the only list.
+// (MW_XN_REASON_NO_NEIGHBOUR -> "no_neighbour"): bpf/crossnode is the only
+// list. Read on first use, not at init (see btfenum.Lazy).
 var (
-	reasonNames = mustEnumNames("mw_xn_reason", "MW_XN_REASON_")
-	dirNames    = mustEnumNames("mw_xn_dir", "MW_XN_DIR_")
+	enumNames   = btfenum.Lazy("cross-node", _CrossnodeBytes)
+	reasonNames = enumNames("mw_xn_reason", "MW_XN_REASON_")
+	dirNames    = enumNames("mw_xn_dir", "MW_XN_DIR_")
 )
 
 // ReasonNames lists every reason a packet is passed for.
-func ReasonNames() []string { return append([]string(nil), reasonNames[1:]...) }
+func ReasonNames() []string { return append([]string(nil), reasonNames()[1:]...) }
 
 // DirectionNames lists the redirect directions.
-func DirectionNames() []string { return append([]string(nil), dirNames...) }
-
-func mustEnumNames(enum, prefix string) []string {
-	spec, err := loadCrossnode()
-	if err == nil {
-		var names []string
-		if names, err = btfenum.Names(spec, enum, prefix); err == nil {
-			return names
-		}
-	}
-	panic(fmt.Sprintf("embedded cross-node object: %v", err))
-}
+func DirectionNames() []string { return append([]string(nil), dirNames()...) }
 
 // ErrNotInstalled: no cross-node forwarding is pinned at the directory.
 var ErrNotInstalled = errors.New("cross-node forwarding is not installed")
@@ -99,12 +90,12 @@ func ReadPinnedStats(pinDir string) (Stats, error) {
 	}
 	s := Stats{RedirectedPackets: map[string]uint64{}, RedirectedBytes: map[string]uint64{}, PassedPackets: map[string]uint64{}}
 	for _, c := range perCPU {
-		for i, name := range dirNames {
+		for i, name := range dirNames() {
 			s.RedirectedPackets[name] += c.RedirectedPackets[i]
 			s.RedirectedBytes[name] += c.RedirectedBytes[i]
 		}
 		s.NeighRedirects += c.NeighRedirects
-		for i, name := range reasonNames {
+		for i, name := range reasonNames() {
 			if i > 0 && i < len(c.Passed) {
 				s.PassedPackets[name] += c.Passed[i]
 			}

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 
-package cli
+package full
 
 import (
 	"errors"
@@ -12,10 +12,11 @@ import (
 	"golang.org/x/term"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/cli"
 	"github.com/meshwarp/meshwarp/internal/tap"
 )
 
-func newTapCommand(_ *globalOptions) *cobra.Command {
+func newTapCommand(_ *cli.Global) *cobra.Command {
 	var o tap.Options
 	var out, pod string
 	var port uint16
@@ -44,12 +45,12 @@ Ctrl-C). One tap at a time.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if pod != "" && o.Netns != "" {
-				return usageError("--pod and --netns name the same thing: give one")
+				return cli.UsageError("--pod and --netns name the same thing: give one")
 			}
 			if pod != "" {
 				o.Netns = filepath.Join("/run/netns", pod)
 				if _, err := os.Stat(o.Netns); err != nil {
-					return usageError("--pod %s: no network namespace %s (ip netns list shows the names; lab pods are meshwarp-pod-0, meshwarp-pod-1)", pod, o.Netns)
+					return cli.UsageError("--pod %s: no network namespace %s (ip netns list shows the names; lab pods are meshwarp-pod-0, meshwarp-pod-1)", pod, o.Netns)
 				}
 			}
 			o.Port = port
@@ -57,13 +58,13 @@ Ctrl-C). One tap at a time.`,
 			switch out {
 			case "-":
 				if f, ok := cmd.OutOrStdout().(*os.File); ok && term.IsTerminal(int(f.Fd())) {
-					return usageError("pcapng is binary and stdout is a terminal: pass -w FILE, or pipe: meshwarp tap -w - | tshark -r -")
+					return cli.UsageError("pcapng is binary and stdout is a terminal: pass -w FILE, or pipe: meshwarp tap -w - | tshark -r -")
 				}
 				w = cmd.OutOrStdout()
 			default:
 				f, err := os.Create(out)
 				if err != nil {
-					return usageError("cannot write %s: %v (choose a writable path with -w)", out, err)
+					return cli.UsageError("cannot write %s: %v (choose a writable path with -w)", out, err)
 				}
 				defer f.Close()
 				w = f
@@ -76,9 +77,9 @@ Ctrl-C). One tap at a time.`,
 			}
 			switch {
 			case errors.Is(err, tap.ErrNoAgent):
-				return withExit(ExitNotReady, err)
+				return cli.WithExit(cli.ExitNotReady, err)
 			case errors.Is(err, tap.ErrBadOptions):
-				return withExit(ExitUsage, err)
+				return cli.WithExit(cli.ExitUsage, err)
 			}
 			return err
 		},

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 
-package cli
+package full
 
 import (
 	"context"
@@ -15,10 +15,11 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/bench"
+	"github.com/meshwarp/meshwarp/internal/cli"
 	"github.com/meshwarp/meshwarp/internal/lab"
 )
 
-func newLabCommand(g *globalOptions) *cobra.Command {
+func newLabCommand(g *cli.Global) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "lab",
 		Short: "Build a node of network namespaces with HAProxy sidecars to measure meshwarp on",
@@ -57,7 +58,7 @@ namespace. Needs root and the packages from scripts/install-deps.sh.`,
 	return cmd
 }
 
-func newLabUpCommand(g *globalOptions) *cobra.Command {
+func newLabUpCommand(g *cli.Global) *cobra.Command {
 	opts := lab.DefaultOptions()
 	cmd := &cobra.Command{
 		Use:   "up",
@@ -82,12 +83,12 @@ address (not captured: the sidecars serve IPv4).`,
 		SilenceUsage: true,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if opts.Pods < 2 || opts.Pods > lab.MaxPods {
-				return usageError("--pods %d: want 2..%d (pod-0 is the client, pod-1 the server)", opts.Pods, lab.MaxPods)
+				return cli.UsageError("--pods %d: want 2..%d (pod-0 is the client, pod-1 the server)", opts.Pods, lab.MaxPods)
 			}
 			if opts.Nodes < 1 || opts.Nodes > lab.MaxNodes {
-				return usageError("--nodes %d: want 1..%d", opts.Nodes, lab.MaxNodes)
+				return cli.UsageError("--nodes %d: want 1..%d", opts.Nodes, lab.MaxNodes)
 			}
-			logger := g.logger(cmd.ErrOrStderr())
+			logger := g.Logger(cmd.ErrOrStderr())
 			l, err := lab.Up(cmd.Context(), opts, logger)
 			if err != nil {
 				return fmt.Errorf("lab up: %w", err)
@@ -107,7 +108,7 @@ address (not captured: the sidecars serve IPv4).`,
 	return cmd
 }
 
-func newLabDownCommand(g *globalOptions) *cobra.Command {
+func newLabDownCommand(g *cli.Global) *cobra.Command {
 	return &cobra.Command{
 		Use:   "down",
 		Short: "Remove everything the lab made (also after an interrupted up)",
@@ -124,7 +125,7 @@ account, is kept.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			// Cleanup must finish even after Ctrl-C.
 			ctx := context.WithoutCancel(cmd.Context())
-			if err := lab.Down(ctx, g.logger(cmd.ErrOrStderr())); err != nil {
+			if err := lab.Down(ctx, g.Logger(cmd.ErrOrStderr())); err != nil {
 				return err
 			}
 			return nil
@@ -206,7 +207,7 @@ every pod. With capture off, pods talk to each other directly and the sidecars s
 idle. New connections follow at once; open connections keep their path.`,
 		Args: func(_ *cobra.Command, args []string) error {
 			if len(args) != 1 || (args[0] != "on" && args[0] != "off") {
-				return usageError("capture takes one argument, on or off")
+				return cli.UsageError("capture takes one argument, on or off")
 			}
 			return nil
 		},
@@ -260,7 +261,7 @@ func writeLabStatus(w io.Writer, st lab.Status) error {
 		pins := bench.AgentPinDirs(accel.DefaultPinDir, len(st.Nodes))
 		for i, n := range st.Nodes {
 			fmt.Fprintf(w, "  meshwarp run --cross-node --node-netns /run/netns/%s --cgroup %s --pin-dir %s --metrics-addr 127.0.0.1:%d\n",
-				n.Netns, n.Cgroup, pins[i], defaultMetricsPort+i)
+				n.Netns, n.Cgroup, pins[i], cli.DefaultMetricsPort+i)
 		}
 	}
 	fmt.Fprintln(w)
@@ -279,7 +280,7 @@ func writeLabStatus(w io.Writer, st lab.Status) error {
 		if !p.Exists {
 			ns += " (MISSING)"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", p.Name, p.Role, p.Node, ns, p.IP, p.IP6, labOnOff(p.Capture), strings.Join(procs, " "))
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", p.Name, p.Role, p.Node, ns, p.IP, p.IP6, cli.OnOff(p.Capture), strings.Join(procs, " "))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -291,11 +292,4 @@ func writeLabStatus(w io.Writer, st lab.Status) error {
 		}
 	}
 	return nil
-}
-
-func labOnOff(b bool) string {
-	if b {
-		return "on"
-	}
-	return "off"
 }

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 
-package cli
+package full
 
 import (
 	"encoding/json"
@@ -17,6 +17,7 @@ import (
 	"golang.org/x/term"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/cli"
 	"github.com/meshwarp/meshwarp/internal/observe"
 	"github.com/meshwarp/meshwarp/internal/top"
 )
@@ -27,7 +28,7 @@ type topSnapshot struct {
 	Flows           []observe.Row `json:"flows"`
 }
 
-func newTopCommand(_ *globalOptions) *cobra.Command {
+func newTopCommand(_ *cli.Global) *cobra.Command {
 	var (
 		pinDir   string
 		interval time.Duration
@@ -66,23 +67,23 @@ p50_seconds, p99_seconds, bytes_per_second, accelerated_share, hop).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if interval < 100*time.Millisecond || interval > time.Hour {
-				return usageError("--interval %v: give 100ms..1h (default 1s)", interval)
+				return cli.UsageError("--interval %v: give 100ms..1h (default 1s)", interval)
 			}
 			if !slices.Contains(observe.SortOrders, sortBy) {
-				return usageError("--sort %q: give one of %s", sortBy, strings.Join(observe.SortOrders, ", "))
+				return cli.UsageError("--sort %q: give one of %s", sortBy, strings.Join(observe.SortOrders, ", "))
 			}
 			if asJSON && !once {
-				return usageError("--json prints one snapshot: add --once")
+				return cli.UsageError("--json prints one snapshot: add --once")
 			}
 			read := func() ([]accel.Flow, error) { return accel.ReadPinnedFlows(pinDir) }
 			// Refuse at once when no agent observes (the live view would only show the error).
 			first, err := read()
 			if err != nil {
-				return withExit(ExitNotReady, err)
+				return cli.WithExit(cli.ExitNotReady, err)
 			}
 			if !once {
 				if f, ok := cmd.OutOrStdout().(*os.File); ok && !term.IsTerminal(int(f.Fd())) {
-					return usageError("the live view needs a terminal: in scripts use --once (with --json for JSON)")
+					return cli.UsageError("the live view needs a terminal: in scripts use --once (with --json for JSON)")
 				}
 				p := tea.NewProgram(top.New(read, interval, sortBy, filter),
 					tea.WithContext(cmd.Context()), tea.WithInput(cmd.InOrStdin()), tea.WithOutput(cmd.OutOrStdout()))
@@ -97,7 +98,7 @@ p50_seconds, p99_seconds, bytes_per_second, accelerated_share, hop).`,
 			}
 			flows, err := read()
 			if err != nil {
-				return withExit(ExitNotReady, err)
+				return cli.WithExit(cli.ExitNotReady, err)
 			}
 			elapsed := time.Since(start).Seconds()
 			rows := observe.Filter(observe.Rows(observe.Sub(flows, first), elapsed, observe.NetnsNames()), filter)

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 
-package cli
+package full
 
 import (
 	"encoding/json"
@@ -14,10 +14,11 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/cli"
 	"github.com/meshwarp/meshwarp/internal/observe"
 )
 
-func newTraceCommand(_ *globalOptions) *cobra.Command {
+func newTraceCommand(_ *cli.Global) *cobra.Command {
 	var (
 		pinDir   string
 		duration time.Duration
@@ -55,10 +56,10 @@ dialled, so --port filters every other point and keeps those.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if duration <= 0 || duration > time.Hour {
-				return usageError("--duration %v: give 1s..1h (default 5s)", duration)
+				return cli.UsageError("--duration %v: give 1s..1h (default 5s)", duration)
 			}
 			if _, err := accel.ReadPinnedFlows(pinDir); err != nil {
-				return withExit(ExitNotReady, err)
+				return cli.WithExit(cli.ExitNotReady, err)
 			}
 			// The client application's reads, observed while trace samples.
 			reads, err := accel.TraceReads(pinDir)
@@ -69,7 +70,7 @@ dialled, so --port filters every other point and keeps those.`,
 			}
 			before, err := accel.ReadPinnedFlows(pinDir)
 			if err != nil {
-				return withExit(ExitNotReady, err)
+				return cli.WithExit(cli.ExitNotReady, err)
 			}
 			if duration >= 2*time.Second {
 				fmt.Fprintf(cmd.ErrOrStderr(), "meshwarp trace: sampling for %v ...\n", duration)
@@ -81,7 +82,7 @@ dialled, so --port filters every other point and keeps those.`,
 			}
 			after, err := accel.ReadPinnedFlows(pinDir)
 			if err != nil {
-				return withExit(ExitNotReady, err)
+				return cli.WithExit(cli.ExitNotReady, err)
 			}
 			flows := observe.Sub(after, before)
 			b, err := observe.NewBreakdown(observe.ByPort(flows, port))

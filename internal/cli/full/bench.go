@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 
-package cli
+package full
 
 import (
 	"errors"
@@ -17,6 +17,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/meshwarp/meshwarp/internal/bench"
+	"github.com/meshwarp/meshwarp/internal/cli"
 )
 
 type benchFlags struct {
@@ -39,7 +40,7 @@ type benchFlags struct {
 	nodes         int
 }
 
-func newBenchCommand(g *globalOptions) *cobra.Command {
+func newBenchCommand(g *cli.Global) *cobra.Command {
 	f := &benchFlags{}
 	cmd := &cobra.Command{
 		Use:   "bench",
@@ -98,7 +99,7 @@ direct pod-to-pod traffic cross the nodes; app-to-sidecar hops stay on a node.`,
 	return cmd
 }
 
-func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
+func runBench(cmd *cobra.Command, g *cli.Global, f *benchFlags) error {
 	fl := cmd.Flags()
 	opts := bench.Options{}
 	if f.quick {
@@ -116,7 +117,7 @@ func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
 	if fl.Changed("sizes") {
 		sizes, err := bench.ParseSizes(f.sizes)
 		if err != nil {
-			return withExit(ExitUsage, err)
+			return cli.WithExit(cli.ExitUsage, err)
 		}
 		opts.Sizes = sizes
 	}
@@ -134,13 +135,13 @@ func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
 	// The agent and lab log at info on every mode switch: keep the terminal
 	// to the progress bar and the table unless --debug.
 	level := slog.LevelWarn
-	if g.debug {
+	if g.Debug {
 		level = slog.LevelDebug
 	}
 	logger := slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: level}))
 	opts.Logger = logger
 	if err := opts.Normalize(); err != nil {
-		return withExit(ExitUsage, err)
+		return cli.WithExit(cli.ExitUsage, err)
 	}
 	// A bench takes minutes: refuse an output path that cannot be written
 	// before running it, not after.
@@ -149,15 +150,15 @@ func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
 			continue
 		}
 		if st, err := os.Stat(filepath.Dir(p)); err != nil || !st.IsDir() {
-			return withExit(ExitUsage, fmt.Errorf("cannot write %s: directory %s does not exist", p, filepath.Dir(p)))
+			return cli.WithExit(cli.ExitUsage, fmt.Errorf("cannot write %s: directory %s does not exist", p, filepath.Dir(p)))
 		}
 	}
 	if os.Geteuid() != 0 {
-		return withExit(ExitNotReady, errors.New("bench needs root (it builds network namespaces, iptables rules and attaches BPF programs): run it with sudo"))
+		return cli.WithExit(cli.ExitNotReady, errors.New("bench needs root (it builds network namespaces, iptables rules and attaches BPF programs): run it with sudo"))
 	}
 	if slices.Contains(opts.Workloads, bench.WorkloadQperf) {
 		if _, err := exec.LookPath("qperf"); err != nil {
-			return withExit(ExitNotReady, errors.New("qperf is not installed: run scripts/install-deps.sh (or drop it: --workloads http,tcp,unix)"))
+			return cli.WithExit(cli.ExitNotReady, errors.New("qperf is not installed: run scripts/install-deps.sh (or drop it: --workloads http,tcp,unix)"))
 		}
 	}
 
@@ -165,7 +166,7 @@ func runBench(cmd *cobra.Command, g *globalOptions, f *benchFlags) error {
 	stderr := cmd.ErrOrStderr()
 	session, err := bench.OpenLab(ctx, opts.KeepLab, opts.Nodes, logger, stderr)
 	if err != nil {
-		return withExit(ExitNotReady, err)
+		return cli.WithExit(cli.ExitNotReady, err)
 	}
 	rep, runErr := bench.Run(ctx, opts, session.Env(), bench.StartAccel(logger), stderr)
 	closeErr := session.Close()
