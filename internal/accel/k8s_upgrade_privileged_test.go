@@ -22,7 +22,7 @@ import (
 // apiServer answers the one request the agent makes on exit (GET of its
 // DaemonSet) the way the Kubernetes API does: the object while it exists,
 // 404 once `helm uninstall` deleted it. There is no cluster on this machine;
-// the agent's client is the real client-go, over HTTP.
+// the agent's client is internal/kube's one REST GET, over HTTP.
 type apiServer struct {
 	*httptest.Server
 	exists atomic.Bool

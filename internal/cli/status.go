@@ -50,15 +50,26 @@ attached). Counters are cumulative across agent restarts.
                     (run --keep-small-streams turns this off)
     send_shutdown   a write after shutdown(SHUT_WR): TCP answers EPIPE (messages only)
     tcp_repair      a socket in TCP_REPAIR mode (its sequence numbers prove nothing)
-    rcvlowat        SO_RCVLOWAT was set (before the connection, or learned: after pairing,
-                    on a socket of the same port); the redirect ignores it
+    rcvlowat        SO_RCVLOWAT was set; the redirect ignores it
+    peek_off        SO_PEEK_OFF was set; the redirect's MSG_PEEK ignores the offset
+    tcp_inq         TCP_INQ was set; redirected bytes carry no TCP_CM_INQ message
+    timestamp       SO_TIMESTAMP(NS) or SO_TIMESTAMPING was set; redirected bytes carry
+                    no timestamps
+    zerocopy        SO_ZEROCOPY was set; MSG_ZEROCOPY completions never come for
+                    redirected bytes
+                    These five are seen on the socket when it is established (set before
+                    connect(), or inherited from the listener) and, later, by a cgroup
+                    setsockopt hook: before any byte was redirected the connection simply
+                    stays on TCP; after, it moves to TCP at its next switch point and the
+                    ports are learned for later connections
     policy          excluded by port/CIDR policy (connections only)
     hint_missed     both ends are in the cgroup, but the note of the answered SYN did not
                     reach the connecting socket
     early_data      bytes were written before the connection was established (TCP Fast
                     Open, a write racing connect): they went by TCP, so that direction stays
-   learned: a process did this on an accelerated socket of the same port, which the
-   redirect cannot honour; later connections on that port stay on TCP:
+   learned (only with run --learn-from-syscalls): a process did this on an accelerated
+   socket of the same port, which the redirect cannot honour; later connections on
+   that port stay on TCP:
     splice_reader   read it with splice(2) (sees only the TCP queue)
     waitall_reader  recv(MSG_WAITALL) (the redirect queue returns what it holds)
     oob             sent or read MSG_OOB (redirected bytes carry no urgent mark)
