@@ -26,25 +26,7 @@ import (
 // with the agent it requires that they are paired.
 func pairedConn(t *testing.T, a *Agent, ln net.Listener, dial func() (net.Conn, error)) (client, server net.Conn) {
 	t.Helper()
-	acc := make(chan net.Conn, 1)
-	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			acc <- nil
-			return
-		}
-		acc <- c
-	}()
-	client, err := dial()
-	if err != nil {
-		t.Fatalf("dial: %v", err)
-	}
-	t.Cleanup(func() { client.Close() })
-	server = <-acc
-	if server == nil {
-		t.Fatal("accept failed")
-	}
-	t.Cleanup(func() { server.Close() })
+	client, server = acceptedPair(t, ln, dial)
 	if a != nil {
 		// Pairing completes in the accepted side's handshake callback.
 		in := sockhashCookies(t, a)
