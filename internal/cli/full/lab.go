@@ -54,6 +54,7 @@ namespace. Needs root and the packages from scripts/install-deps.sh.`,
 		newLabDownCommand(g),
 		newLabStatusCommand(),
 		newLabCaptureCommand(),
+		newLabPodCommand(),
 	)
 	return cmd
 }
