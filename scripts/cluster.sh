@@ -388,19 +388,16 @@ EOF
 # The cgroup v2 directory the kubelet's pods land in. runc puts a container in
 # the same path in every hierarchy, the v2 one included, so it is
 # <cgroup2 mount>/<cgroupRoot>/kubepods with the cgroupfs driver.
-pods_cgroup2() {
-	local mnt
-	mnt=$(awk '$3 == "cgroup2" {print $2; exit}' /proc/self/mounts)
-	echo "$mnt/$CGROUP_ROOT/kubepods"
-}
+cgroup2_mount() { awk '$3 == "cgroup2" {print $2; exit}' /proc/self/mounts; }
+pods_cgroup2() { echo "$(cgroup2_mount)/$CGROUP_ROOT/kubepods"; }
 
-# install_meshwarp REPOSITORY TAG [helm args]: helm upgrade --install with the chart.
+# install_meshwarp REPOSITORY TAG [helm args]: helm upgrade --install with the
+# chart and its defaults (cgroupPath empty: the agent finds the pods cgroup).
 install_meshwarp() {
 	local repo=$1 tag=$2
 	shift 2
 	helm upgrade --install "$RELEASE" deploy/helm/meshwarp -n "$AGENT_NS" --create-namespace \
-		--set image.repository="$repo" --set image.tag="$tag" --set image.pullPolicy=Never \
-		--set cgroupPath="$(pods_cgroup2)" "$@" >&2
+		--set image.repository="$repo" --set image.tag="$tag" --set image.pullPolicy=Never "$@" >&2
 }
 
 deploy_demo() {
@@ -430,8 +427,8 @@ cmd_status() {
 	fi
 	if $json; then
 		local IFS=,
-		printf '{"api_server_ready":%s,"node_ready":%s,"daemonset_ready":%s,"processes":[%s],"kubeconfig":"%s","agent_status":%s}\n' \
-			"$up" "$node" "$ds" "${procs[*]}" "$KUBECONFIG_PATH" "${agent:-null}"
+		printf '{"api_server_ready":%s,"node_ready":%s,"daemonset_ready":%s,"processes":[%s],"kubeconfig":"%s","bin":"%s","containerd":"%s","cgroup2_mount":"%s","pods_cgroup":"%s","agent_status":%s}\n' \
+			"$up" "$node" "$ds" "${procs[*]}" "$KUBECONFIG_PATH" "$BIN" "$CONTAINERD_SOCK" "$(cgroup2_mount)" "$(pods_cgroup2)" "${agent:-null}"
 	else
 		echo "processes:       ${procs[*]:-none}"
 		echo "API server:      $($up && echo ready || echo down)"

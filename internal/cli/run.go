@@ -24,6 +24,7 @@ import (
 
 type runOptions struct {
 	cgroup           string
+	podsCgroupIn     string
 	pinDir           string
 	metricsAddr      string
 	sidecarUID       uint32
@@ -123,6 +124,8 @@ connection; exclude them up front so that no connection is affected.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&o.cgroup, "cgroup", "", "cgroup v2 directory to accelerate (default: the cgroup v2 root from /proc/mounts)")
+	f.StringVar(&o.podsCgroupIn, "kube-pods-cgroup-in", "",
+		"the node's /sys/fs/cgroup as mounted here: accelerate the kubelet's pods cgroup found in it (kubepods.slice or kubepods, in the v2 tree of a unified or hybrid layout, under the kubelet's cgroupRoot); excludes --cgroup")
 	f.StringVar(&o.pinDir, "pin-dir", accel.DefaultPinDir, "bpffs directory for pinned maps and links; one running agent per directory")
 	f.StringVar(&o.metricsAddr, "metrics-addr", fmt.Sprintf("127.0.0.1:%d", DefaultMetricsPort), `address for /metrics and /healthz ("" disables)`)
 	f.Uint32Var(&o.sidecarUID, "sidecar-uid", accel.DefaultSidecarUID, "uid of the sidecar proxy (names the sidecar -> app hop)")
@@ -208,6 +211,14 @@ func runAgent(cmd *cobra.Command, g *Global, o *runOptions) error {
 	report := probe.Run(probe.Options{MountBPFFS: true})
 	if err := report.Err(); err != nil {
 		return err
+	}
+	if o.podsCgroupIn != "" {
+		if o.cgroup != "" {
+			return UsageError("--cgroup and --kube-pods-cgroup-in exclude each other: give one")
+		}
+		if o.cgroup, err = kube.PodsCgroup(o.podsCgroupIn); err != nil {
+			return WithExit(ExitNotReady, err)
+		}
 	}
 	if o.cgroup == "" {
 		if o.cgroup, err = probe.Cgroup2Root(); err != nil {

@@ -24,7 +24,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- define "meshwarp.args" -}}
 - run
+{{- if .Values.cgroupPath }}
 - --cgroup=/host{{ .Values.cgroupPath }}
+{{- else }}
+- --kube-pods-cgroup-in=/host/sys/fs/cgroup
+{{- end }}
 - --pin-dir={{ .Values.pinDir }}
 - --sidecar-uid={{ .Values.sidecarUID }}
 - --capacity={{ .Values.capacity }}
