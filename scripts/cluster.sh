@@ -17,7 +17,7 @@
 #   processes   etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
 #               containerd (+ its shims), kubelet, kube-proxy (pid files in $RUN)
 #   files       $STATE (certs, configs, etcd, containerd root, kubelet root, logs), $RUN
-#   interfaces  dummy meshwarp-k8s (the node address), bridge meshwarp-cni0, pod veths
+#   interfaces  meshwarp-k8s (the node address, a bridge without ports), bridge meshwarp-cni0, pod veths
 #   netns       the pods' cni-* namespaces (containerd's names)
 #   cgroups     /meshwarp-cluster in every hierarchy (the kubelet's cgroupRoot)
 #   netfilter   kube-proxy's nftables tables, the kubelet's KUBE-* iptables chains
@@ -70,8 +70,8 @@ ctr() { /usr/bin/ctr --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
 # ---------------------------------------------------------------- binaries
 
 # The binaries are kept in $CACHE/bin-<key>, the key being the inputs that
-# decide them: the wrapper module, the main module's go.sum (helm) and Go.
-bin_key() { cat test/cluster/kubebuild/go.mod test/cluster/kubebuild/go.sum go.sum <(go version) | sha256sum | cut -c1-16; }
+# decide them: the wrapper module (Kubernetes and helm) and Go.
+bin_key() { cat test/cluster/kubebuild/go.mod test/cluster/kubebuild/go.sum <(go version) | sha256sum | cut -c1-16; }
 BIN=$CACHE/bin-$(bin_key)
 
 binaries() {
@@ -80,7 +80,7 @@ binaries() {
 	fi
 	local t0 tmp
 	t0=$(now)
-	log "building Kubernetes $KUBE_VERSION and helm from Go modules (cold: 20-35 CPU-minutes; cached after)"
+	log "building Kubernetes $KUBE_VERSION and helm from Go modules (cold: about 15 minutes on 2 cores; cached after)"
 	tmp=$CACHE/tmp-$$
 	rm -rf "$tmp" && mkdir -p "$tmp"
 	local ld="-s -w -X k8s.io/component-base/version.gitVersion=$KUBE_VERSION -X k8s.io/component-base/version.gitMajor=1"
@@ -88,8 +88,7 @@ binaries() {
 	(cd test/cluster/kubebuild && CGO_ENABLED=0 go build -trimpath -ldflags "$ld" -o "$tmp/" \
 		k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
 		k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet \
-		k8s.io/kubernetes/cmd/kube-proxy k8s.io/kubernetes/cmd/kubectl)
-	CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$tmp/helm" helm.sh/helm/v3/cmd/helm
+		k8s.io/kubernetes/cmd/kube-proxy k8s.io/kubernetes/cmd/kubectl helm.sh/helm/v3/cmd/helm)
 	rm -rf "$BIN" && mv "$tmp" "$BIN"
 	log "built in $(($(now) - t0)) s: $BIN"
 }
@@ -288,6 +287,9 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: "1Mi", nodefs.available: "1%", imagefs.available: "1%"}
 resolvConf: /etc/resolv.conf
+# ConfigMap volumes (the agent's policy) are refreshed at each pod sync: every
+# 10 s instead of every minute.
+syncFrequency: 10s
 clusterDomain: cluster.local
 EOF
 	cat >"$STATE/kube-proxy.yaml" <<EOF
@@ -327,13 +329,15 @@ cmd_up() {
 	configs
 
 	# The node's address: the API server must advertise a non-loopback address.
-	ip link show "$NODE_IF" >/dev/null 2>&1 || ip link add "$NODE_IF" type dummy
+	# A bridge without ports: this kernel has no dummy interfaces.
+	ip link show "$NODE_IF" >/dev/null 2>&1 || ip link add "$NODE_IF" type bridge
 	ip addr replace "$NODE_IP/32" dev "$NODE_IF"
 	ip link set "$NODE_IF" up
 
 	local h
-	for h in /sys/fs/cgroup/*/ /sys/fs/cgroup/unified/; do
-		[[ -d $h && $h != /sys/fs/cgroup/unified/unified/ ]] && mkdir -p "$h$CGROUP_ROOT"
+	# The kubelet's cgroupRoot must exist in every hierarchy.
+	for h in $(cgroup_mounts); do
+		mkdir -p "$h/$CGROUP_ROOT"
 	done
 
 	start etcd etcd --name meshwarp --data-dir "$STATE/etcd" \
@@ -388,6 +392,8 @@ EOF
 # The cgroup v2 directory the kubelet's pods land in. runc puts a container in
 # the same path in every hierarchy, the v2 one included, so it is
 # <cgroup2 mount>/<cgroupRoot>/kubepods with the cgroupfs driver.
+# Every cgroup hierarchy's mount point (v1 controllers and v2).
+cgroup_mounts() { awk '$3 == "cgroup" || $3 == "cgroup2" {print $2}' /proc/self/mounts; }
 cgroup2_mount() { awk '$3 == "cgroup2" {print $2; exit}' /proc/self/mounts; }
 pods_cgroup2() { echo "$(cgroup2_mount)/$CGROUP_ROOT/kubepods"; }
 
@@ -465,7 +471,7 @@ stop() { # stop NAME [SECONDS]
 our_shims() {
 	local p
 	for p in /proc/[0-9]*; do
-		tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -q -- "-address $CONTAINERD_SOCK" && echo "${p#/proc/}"
+		{ tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null | grep -q -- "-address $CONTAINERD_SOCK" && echo "${p#/proc/}"
 	done
 }
 
@@ -525,8 +531,8 @@ cmd_down() {
 	done
 	# 7. cgroups: /meshwarp-cluster in every hierarchy, deepest first.
 	local h
-	for h in /sys/fs/cgroup/*/"$CGROUP_ROOT" /sys/fs/cgroup/unified/"$CGROUP_ROOT"; do
-		[[ -d $h ]] && find "$h" -depth -type d -exec rmdir {} + 2>/dev/null || true
+	for h in $(cgroup_mounts); do
+		[[ -d $h/$CGROUP_ROOT ]] && find "$h/$CGROUP_ROOT" -depth -type d -exec rmdir {} \; 2>/dev/null || true
 	done
 	# 8. Kernel settings.
 	if [[ -f $STATE/saved/sysctl ]]; then
@@ -569,7 +575,7 @@ leftovers() {
 	ip link show "$NODE_IF" >/dev/null 2>&1 && left+=("interface $NODE_IF")
 	ip link show "$BRIDGE" >/dev/null 2>&1 && left+=("interface $BRIDGE")
 	[[ -n $(our_shims) ]] && left+=("containerd shims")
-	ls -d /sys/fs/cgroup/*/"$CGROUP_ROOT" >/dev/null 2>&1 && left+=("cgroups $(ls -d /sys/fs/cgroup/*/"$CGROUP_ROOT" | tr '\n' ' ')")
+	for h in $(cgroup_mounts); do [[ -d $h/$CGROUP_ROOT ]] && left+=("cgroup $h/$CGROUP_ROOT"); done
 	grep -q -e "$STATE" -e "$RUN" /proc/self/mountinfo && left+=("mounts")
 	nft list table ip kube-proxy >/dev/null 2>&1 && left+=("nftables table ip kube-proxy")
 	[[ $(sysctl -n kernel.panic_on_oops) == 1 ]] && left+=("kernel.panic_on_oops=1")
