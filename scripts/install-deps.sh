@@ -7,6 +7,10 @@ set -euo pipefail
 pkgs=(clang llvm libbpf-dev bpftool iproute2 iptables procps haproxy qperf)
 if [[ "${1:-}" == "--test" ]]; then
 	pkgs+=(chromium podman runc tshark tmux)
+	# The one-node Kubernetes cluster of scripts/cluster.sh (test/cluster):
+	# the node's runtime, CNI plugins and etcd; gcc and libc6-dev build the
+	# static pause binary; nftables lists and removes kube-proxy's tables.
+	pkgs+=(containerd containernetworking-plugins etcd-server nftables openssl gcc libc6-dev)
 fi
 
 missing=()

@@ -343,6 +343,8 @@ func TestPrivilegedCluster(t *testing.T) {
 				t.Errorf("%s of the agent = %#x, the chart's capabilities %v = %#x", set, got, c.SecurityContext.Capabilities.Add, want)
 			}
 		}
+		t.Logf("agent pid %d: CapEff %s (chart: %v), Seccomp %s", pid, procField(t, pid, "CapEff"),
+			c.SecurityContext.Capabilities.Add, procField(t, pid, "Seccomp"))
 		if s := procField(t, pid, "Seccomp"); s != "0" {
 			t.Errorf("agent seccomp mode %s, the chart says Unconfined (0)", s)
 		}
@@ -462,16 +464,32 @@ func TestPrivilegedCluster(t *testing.T) {
 		old := k.agentPod()
 		pinsBefore, _ := os.ReadDir("/sys/fs/bpf/meshwarp")
 		done := make(chan lab.ClientResult, 1)
+		// Echo streams: lockstep writes and reads, so they stay accelerated
+		// (not small_stream); each is 6 sockets on 3 hops.
 		go func() {
-			done <- k.client(serverIP, "--streams", "100", "--duration", "60s", "--size", "512")
+			done <- k.client(serverIP, "--streams", "100", "--duration", "90s", "--size", "512")
 		}()
 		time.Sleep(15 * time.Second)
+		s1 := k.agentStatus()
+		if s1.AcceleratedSockets < 600 {
+			t.Errorf("%d accelerated sockets under 100 streams before the upgrade, want >= 600", s1.AcceleratedSockets)
+		}
 		k.helm("upgrade", release, "deploy/helm/meshwarp", "-n", agentNS, "--reuse-values", "--set", "image.tag=cluster-b", "--wait", "--timeout", "4m")
 		k.kubectl("-n", agentNS, "rollout", "status", "ds/"+release, "--timeout=180s")
 		now := k.agentPod()
 		if now.Name == old.Name || !strings.HasSuffix(now.Spec.Containers[0].Image, ":cluster-b") {
 			t.Fatalf("no rolling update: pod %s image %s", now.Name, now.Spec.Containers[0].Image)
 		}
+		// The new pod reads the adopted maps: the streams' sockets are still
+		// paired, and the counters went on from where the old pod left them.
+		time.Sleep(3 * time.Second)
+		s2 := k.agentStatus()
+		if s2.AcceleratedSockets < 600 || s2.RedirectedBytes <= s1.RedirectedBytes {
+			t.Errorf("after the upgrade: %d accelerated sockets (want >= 600), redirected bytes %d -> %d",
+				s2.AcceleratedSockets, s1.RedirectedBytes, s2.RedirectedBytes)
+		}
+		t.Logf("accelerated sockets before/after the upgrade: %d/%d; redirected bytes %d -> %d",
+			s1.AcceleratedSockets, s2.AcceleratedSockets, s1.RedirectedBytes, s2.RedirectedBytes)
 		var r lab.ClientResult
 		select {
 		case r = <-done:
