@@ -23,6 +23,8 @@
 #   netfilter   kube-proxy's nftables tables, the kubelet's KUBE-* iptables chains
 #   sysctls     the kubelet and the CNI bridge change some; down restores them
 #   mounts      under $STATE and $RUN, and the pods' namespaces
+#   bpffs       the agent's pins in /sys/fs/bpf/meshwarp-cluster (helm uninstall removes
+#               them; down runs meshwarp-agent cleanup if an agent was killed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -40,6 +42,9 @@ SVC_CIDR=10.243.0.0/24
 SVC_API_IP=10.243.0.1
 ETCD_PORT=23790
 CGROUP_ROOT=meshwarp-cluster
+# The cluster's agent pins here, not in the node default /sys/fs/bpf/meshwarp
+# that an agent run on the host uses.
+PIN_DIR=/sys/fs/bpf/meshwarp-cluster
 CONTAINERD_SOCK=$RUN/containerd.sock
 KUBECONFIG_PATH=$STATE/kubeconfig
 # The Helm release and the demo namespace (the test uses the same).
@@ -403,7 +408,8 @@ install_meshwarp() {
 	local repo=$1 tag=$2
 	shift 2
 	helm upgrade --install "$RELEASE" deploy/helm/meshwarp -n "$AGENT_NS" --create-namespace \
-		--set image.repository="$repo" --set image.tag="$tag" --set image.pullPolicy=Never "$@" >&2
+		--set image.repository="$repo" --set image.tag="$tag" --set image.pullPolicy=Never \
+		--set pinDir="$PIN_DIR" "$@" >&2
 }
 
 deploy_demo() {
@@ -433,8 +439,8 @@ cmd_status() {
 	fi
 	if $json; then
 		local IFS=,
-		printf '{"api_server_ready":%s,"node_ready":%s,"daemonset_ready":%s,"processes":[%s],"kubeconfig":"%s","bin":"%s","containerd":"%s","cgroup2_mount":"%s","pods_cgroup":"%s","agent_status":%s}\n' \
-			"$up" "$node" "$ds" "${procs[*]}" "$KUBECONFIG_PATH" "$BIN" "$CONTAINERD_SOCK" "$(cgroup2_mount)" "$(pods_cgroup2)" "${agent:-null}"
+		printf '{"api_server_ready":%s,"node_ready":%s,"daemonset_ready":%s,"processes":[%s],"kubeconfig":"%s","bin":"%s","containerd":"%s","cgroup2_mount":"%s","pods_cgroup":"%s","pin_dir":"%s","agent_status":%s}\n' \
+			"$up" "$node" "$ds" "${procs[*]}" "$KUBECONFIG_PATH" "$BIN" "$CONTAINERD_SOCK" "$(cgroup2_mount)" "$(pods_cgroup2)" "$PIN_DIR" "${agent:-null}"
 	else
 		echo "processes:       ${procs[*]:-none}"
 		echo "API server:      $($up && echo ready || echo down)"
@@ -504,8 +510,9 @@ cmd_down() {
 	done
 	stop etcd
 	# 3. An agent killed with its node may leave the data path pinned.
-	if [[ -d /sys/fs/bpf/meshwarp ]] && [[ -f $STATE/up-started ]]; then
-		go run ./cmd/meshwarp-agent cleanup >/dev/null 2>&1 || true
+	if [[ -d $PIN_DIR ]]; then
+		go run ./cmd/meshwarp-agent cleanup --pin-dir "$PIN_DIR" >/dev/null 2>&1 || true
+		rmdir "$PIN_DIR" 2>/dev/null || true
 	fi
 	# 4. kube-proxy's and the kubelet's netfilter state.
 	if [[ -n $BIN && -x $BIN/kube-proxy ]]; then
@@ -578,6 +585,7 @@ leftovers() {
 	for h in $(cgroup_mounts); do [[ -d $h/$CGROUP_ROOT ]] && left+=("cgroup $h/$CGROUP_ROOT"); done
 	grep -q -e "$STATE" -e "$RUN" /proc/self/mountinfo && left+=("mounts")
 	nft list table ip kube-proxy >/dev/null 2>&1 && left+=("nftables table ip kube-proxy")
+	[[ -e $PIN_DIR ]] && left+=("pins $PIN_DIR")
 	[[ $(sysctl -n kernel.panic_on_oops) == 1 ]] && left+=("kernel.panic_on_oops=1")
 	if ((${#left[@]} > 0)); then
 		log "left behind: ${left[*]}"

@@ -54,6 +54,7 @@ type clusterStatus struct {
 	Containerd     string          `json:"containerd"`
 	Cgroup2Mount   string          `json:"cgroup2_mount"`
 	PodsCgroup     string          `json:"pods_cgroup"`
+	PinDir         string          `json:"pin_dir"`
 	Agent          json.RawMessage `json:"agent_status"`
 }
 
@@ -462,7 +463,7 @@ func TestPrivilegedCluster(t *testing.T) {
 	t.Run("helm upgrade under 100 streams: nothing lost, data path adopted", func(t *testing.T) {
 		k := &kube{t: t, st: st}
 		old := k.agentPod()
-		pinsBefore, _ := os.ReadDir("/sys/fs/bpf/meshwarp")
+		pinsBefore, _ := os.ReadDir(st.PinDir)
 		done := make(chan lab.ClientResult, 1)
 		// Echo streams: lockstep writes and reads, so they stay accelerated
 		// (not small_stream); each is 6 sockets on 3 hops.
@@ -504,7 +505,7 @@ func TestPrivilegedCluster(t *testing.T) {
 		if !regexp.MustCompile(`acceleration attached.*adopted[=":]+true`).MatchString(logs) {
 			t.Errorf("new agent did not adopt the pinned data path:\n%s", logs)
 		}
-		pinsAfter, _ := os.ReadDir("/sys/fs/bpf/meshwarp")
+		pinsAfter, _ := os.ReadDir(st.PinDir)
 		if len(pinsBefore) == 0 || len(pinsAfter) != len(pinsBefore) {
 			t.Errorf("pins before %d, after %d", len(pinsBefore), len(pinsAfter))
 		}
@@ -548,6 +549,17 @@ func TestPrivilegedCluster(t *testing.T) {
 
 	t.Run("helm uninstall detaches everything, traffic goes on", func(t *testing.T) {
 		k := &kube{t: t, st: st}
+		// The stopping pod's own account of its exit, followed while it stops.
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+		defer cancel()
+		follow := exec.CommandContext(ctx, filepath.Join(st.Bin, "kubectl"), "--kubeconfig", st.Kubeconfig,
+			"-n", agentNS, "logs", "-f", k.agentPod().Name)
+		var logs bytes.Buffer
+		follow.Stdout = &logs
+		if err := follow.Start(); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Second)
 		k.helm("uninstall", release, "-n", agentNS, "--wait", "--timeout", "3m")
 		deadline := time.Now().Add(2 * time.Minute)
 		for {
@@ -561,8 +573,14 @@ func TestPrivilegedCluster(t *testing.T) {
 			}
 			time.Sleep(2 * time.Second)
 		}
-		if pins, err := os.ReadDir("/sys/fs/bpf/meshwarp"); err == nil && len(pins) > 0 {
-			t.Errorf("pinned after uninstall: %d entries in /sys/fs/bpf/meshwarp", len(pins))
+		_ = follow.Wait()
+		if !regexp.MustCompile(`msg="on exit" keep=false`).MatchString(logs.String()) ||
+			!strings.Contains(logs.String(), "acceleration uninstalled") {
+			t.Errorf("the stopping agent did not decide to uninstall:\n%s", logs.String())
+		}
+		t.Logf("agent's exit: %s", regexp.MustCompile(`.*msg="on exit".*`).FindString(logs.String()))
+		if pins, err := os.ReadDir(st.PinDir); err == nil && len(pins) > 0 {
+			t.Errorf("pinned after uninstall: %d entries in %s", len(pins), st.PinDir)
 		}
 		if n := sockopsAttached(t, st.PodsCgroup); n != 0 {
 			t.Errorf("%d sock_ops programs still attached to %s", n, st.PodsCgroup)
