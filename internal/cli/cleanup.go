@@ -51,7 +51,7 @@ removed; running it twice is harmless.`,
 			return err
 		},
 	}
-	cmd.Flags().StringVar(&pinDir, "pin-dir", accel.DefaultPinDir, "bpffs directory the agent pinned to")
+	cmd.Flags().StringVar(&pinDir, "pin-dir", DefaultPinDir(), "bpffs directory the agent pinned to; $"+PinDirEnv+" sets the default")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }

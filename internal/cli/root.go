@@ -147,3 +147,17 @@ func OnOff(b bool) string {
 	}
 	return "off"
 }
+
+// PinDirEnv names the default pin directory of every command that takes
+// --pin-dir. The chart sets it in the agent's container, so that
+// `kubectl exec ds/meshwarp -- /meshwarp-agent status` reads the chart's
+// pinDir without being told.
+const PinDirEnv = "MESHWARP_PIN_DIR"
+
+// DefaultPinDir is $MESHWARP_PIN_DIR, else accel.DefaultPinDir.
+func DefaultPinDir() string {
+	if d := os.Getenv(PinDirEnv); d != "" {
+		return d
+	}
+	return accel.DefaultPinDir
+}

@@ -126,7 +126,7 @@ connection; exclude them up front so that no connection is affected.`,
 	f.StringVar(&o.cgroup, "cgroup", "", "cgroup v2 directory to accelerate (default: the cgroup v2 root from /proc/mounts)")
 	f.StringVar(&o.podsCgroupIn, "kube-pods-cgroup-in", "",
 		"the node's /sys/fs/cgroup as mounted here: accelerate the kubelet's pods cgroup found in it (kubepods.slice or kubepods, in the v2 tree of a unified or hybrid layout, under the kubelet's cgroupRoot); excludes --cgroup")
-	f.StringVar(&o.pinDir, "pin-dir", accel.DefaultPinDir, "bpffs directory for pinned maps and links; one running agent per directory")
+	f.StringVar(&o.pinDir, "pin-dir", DefaultPinDir(), "bpffs directory for pinned maps and links; one running agent per directory; $"+PinDirEnv+" sets the default")
 	f.StringVar(&o.metricsAddr, "metrics-addr", fmt.Sprintf("127.0.0.1:%d", DefaultMetricsPort), `address for /metrics and /healthz ("" disables)`)
 	f.Uint32Var(&o.sidecarUID, "sidecar-uid", accel.DefaultSidecarUID, "uid of the sidecar proxy (names the sidecar -> app hop)")
 	f.Uint32Var(&o.capacity, "capacity", accel.DefaultCapacity, "maximum accelerated sockets; beyond it connections use the normal stack")

@@ -120,7 +120,7 @@ attached). Counters are cumulative across agent restarts.
 			return nil
 		},
 	}
-	cmd.Flags().StringVar(&pinDir, "pin-dir", accel.DefaultPinDir, "bpffs directory the agent pinned to")
+	cmd.Flags().StringVar(&pinDir, "pin-dir", DefaultPinDir(), "bpffs directory the agent pinned to; $"+PinDirEnv+" sets the default")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }
