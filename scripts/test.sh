@@ -4,6 +4,7 @@
 #   - checks formatting, vet, and that the committed BPF objects match their C sources
 #   - unit tests, then the privileged integration tests (real kernel, real
 #     namespaces and cgroups; they skip with a reason when not run as root)
+#   - the end-to-end test on a one-node Kubernetes cluster (test/cluster)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,3 +38,17 @@ fi
 # a time so they never share the 2 cores' worth of timing or names.
 step "tests"
 go test -p 1 -count=1 -timeout 40m ./... 2>&1 | tee /tmp/meshwarp-test.log
+
+# The end-to-end test on a real one-node Kubernetes cluster (test/cluster):
+# scripts/cluster.sh up builds Kubernetes and helm from Go modules (cold: about
+# 15 minutes on 2 cores, cached after), installs the chart and the demo pods,
+# the test checks, and down removes everything. Build tag `cluster` keeps it
+# out of the run above; as root it always runs (RequirePrivileged).
+step "cluster end-to-end test (test/cluster)"
+go vet -tags cluster ./test/cluster
+log=/tmp/meshwarp-cluster-test.log
+if ! go test -tags cluster -count=1 -timeout 60m -v ./test/cluster >"$log" 2>&1; then
+	cat "$log"
+	exit 1
+fi
+grep -E '^(--- |    --- |ok|PASS)|cluster: (up|down|built)|took' "$log"
