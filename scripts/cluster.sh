@@ -25,7 +25,7 @@
 #   mounts      under $STATE and $RUN, and the pods' namespaces
 #   bpffs       the agent's pins in /sys/fs/bpf/meshwarp-cluster (helm uninstall removes
 #               them; down runs meshwarp-agent cleanup if an agent was killed)
-set -euo pipefail
+set -Eeuo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 
@@ -59,9 +59,12 @@ SYSCTLS=(vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops
 	net.netfilter.nf_conntrack_tcp_timeout_established
 	net.netfilter.nf_conntrack_tcp_timeout_close_wait)
 # Host paths Kubernetes or containerd create whatever they are told; up records
-# which ones did not exist, down removes those.
-HOST_PATHS=(/var/lib/kubelet /var/log/pods /var/log/containers /var/lib/cni /etc/cni/net.d
-	/opt/cni /var/lib/containerd /run/containerd /etc/kubernetes)
+# which ones did not exist, down removes those. The kubelet's are its own.
+HOST_PATHS=(/var/lib/kubelet /var/log/pods /var/log/containers /var/lib/containerd /run/containerd /etc/kubernetes)
+# Shared with other CNI users (podman): down removes only our entries there
+# (named after our network), then the directories if up created them and
+# they are empty.
+CNI_PATHS=(/var/lib/cni /etc/cni/net.d /opt/cni)
 
 log() { printf 'cluster: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -156,7 +159,7 @@ save_host_state() {
 	[[ -f $STATE/saved/sysctl ]] || for k in "${SYSCTLS[@]}"; do
 		v=$(sysctl -n "$k" 2>/dev/null) && printf '%s=%s\n' "$k" "$v"
 	done >"$STATE/saved/sysctl"
-	[[ -f $STATE/saved/paths ]] || for p in "${HOST_PATHS[@]}"; do
+	[[ -f $STATE/saved/paths ]] || for p in "${HOST_PATHS[@]}" "${CNI_PATHS[@]}"; do
 		[[ -e $p ]] || echo "$p"
 	done >"$STATE/saved/paths"
 	[[ -f $STATE/saved/netns ]] || { ls /run/netns 2>/dev/null || true; } >"$STATE/saved/netns"
@@ -546,8 +549,23 @@ cmd_down() {
 		while IFS= read -r kv; do sysctl -q -w "$kv" >/dev/null 2>&1 || log "could not restore $kv"; done <"$STATE/saved/sysctl"
 	fi
 	# 9. Host paths that did not exist before up.
+	# CNI results of our pods: our network's, and containerd's loopback ones
+	# of the same sandboxes (left when the kubelet could not tear pods down).
+	local r id
+	for r in /var/lib/cni/results/meshwarp-k8s-*; do
+		[[ -e $r ]] || continue
+		id=${r#/var/lib/cni/results/meshwarp-k8s-}
+		rm -f "$r" "/var/lib/cni/results/cni-loopback-${id%-eth0}-lo"
+	done
 	if [[ -f $STATE/saved/paths ]]; then
-		while IFS= read -r p; do [[ -n $p ]] && rm -rf "$p"; done <"$STATE/saved/paths"
+		while IFS= read -r p; do
+			[[ -n $p && -e $p ]] || continue
+			if [[ " ${CNI_PATHS[*]} " == *" $p "* ]]; then
+				find "$p" -depth -type d -empty -delete 2>/dev/null || true
+			else
+				rm -rf "$p"
+			fi
+		done <"$STATE/saved/paths"
 	fi
 	podman rmi -f localhost/meshwarp-pause:3.10 localhost/meshwarp:cluster-a localhost/meshwarp:cluster-b localhost/meshwarp-demo:cluster >/dev/null 2>&1 || true
 	rm -rf "$STATE" "$RUN"
@@ -593,10 +611,16 @@ leftovers() {
 	fi
 }
 
-case ${1:-} in
-up) cmd_up ;;
-down) cmd_down ;;
-status) shift; cmd_status "$@" ;;
-images) build_images ;; # for debugging the image build alone
-*) echo "usage: $0 up|down|status [--json]" >&2; exit 2 ;;
-esac
+main() {
+	case ${1:-} in
+	up) cmd_up ;;
+	down) cmd_down ;;
+	status) shift; cmd_status "$@" ;;
+	images) build_images ;; # for debugging the image build alone
+	*) echo "usage: $0 up|down|status [--json]" >&2; exit 2 ;;
+	esac
+}
+
+# One line: bash has read all of it before running, so editing this file while
+# it runs cannot make it execute anything else.
+main "$@"; exit $?

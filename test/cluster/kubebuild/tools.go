@@ -2,7 +2,7 @@
 
 // SPDX-License-Identifier: Apache-2.0
 
-// Package kubebuild pins the Kubernetes commands the test cluster runs.
+// Package kubebuild pins the commands of the test cluster: Kubernetes and helm.
 package kubebuild
 
 import (
