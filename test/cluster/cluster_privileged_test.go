@@ -299,14 +299,17 @@ func sockopsAttached(t *testing.T, cgroup string) int {
 
 func TestPrivilegedCluster(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	t0 := time.Now()
-	script(t, 60*time.Minute, "up")
-	t.Logf("up took %s", time.Since(t0).Round(time.Second))
+	// A fresh cluster: whatever an earlier run or a user left up goes first.
+	script(t, 10*time.Minute, "down")
+	// Registered before up: down also cleans after a failed up.
 	t.Cleanup(func() {
 		t1 := time.Now()
 		script(t, 10*time.Minute, "down")
 		t.Logf("down took %s", time.Since(t1).Round(time.Second))
 	})
+	t0 := time.Now()
+	script(t, 60*time.Minute, "up")
+	t.Logf("up took %s", time.Since(t0).Round(time.Second))
 	var st clusterStatus
 	if err := json.Unmarshal(script(t, 3*time.Minute, "status", "--json"), &st); err != nil {
 		t.Fatalf("decode status: %v", err)
