@@ -22,6 +22,7 @@
 #   cgroups     /meshwarp-cluster in every hierarchy (the kubelet's cgroupRoot)
 #   netfilter   kube-proxy's nftables tables, the kubelet's KUBE-* iptables chains
 #   sysctls     the kubelet and the CNI bridge change some; down restores them
+# down keeps the build cache ($CACHE, about 0.7 GB of binaries): rm -rf it to reclaim.
 #   mounts      under $STATE and $RUN, and the pods' namespaces
 #   bpffs       the agent's pins in /sys/fs/bpf/meshwarp-cluster (helm uninstall removes
 #               them; down runs meshwarp-agent cleanup if an agent was killed)
@@ -90,7 +91,7 @@ binaries() {
 	t0=$(now)
 	log "building Kubernetes $KUBE_VERSION and helm from Go modules (cold: about 15 minutes on 2 cores; cached after)"
 	tmp=$CACHE/tmp-$$
-	rm -rf "$tmp" && mkdir -p "$tmp"
+	rm -rf "$CACHE"/tmp-* && mkdir -p "$tmp" # tmp-*: builds an interrupted up left
 	local ld="-s -w -X k8s.io/component-base/version.gitVersion=$KUBE_VERSION -X k8s.io/component-base/version.gitMajor=1"
 	ld+=" -X k8s.io/component-base/version.gitMinor=37 -X k8s.io/component-base/version.gitTreeState=clean"
 	(cd test/cluster/kubebuild && CGO_ENABLED=0 go build -trimpath -ldflags "$ld" -o "$tmp/" \
