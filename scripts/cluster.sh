@@ -169,6 +169,18 @@ save_host_state() {
 	done >"$STATE/saved/kube-chains"
 }
 
+# restore_sysctls [KEY...]: the values saved by up (all of them without keys).
+restore_sysctls() {
+	[[ -f $STATE/saved/sysctl ]] || return 0
+	local kv
+	while IFS= read -r kv; do
+		if (($# > 0)) && [[ " $* " != *" ${kv%%=*} "* ]]; then
+			continue
+		fi
+		sysctl -q -w "$kv" >/dev/null 2>&1 || log "could not restore $kv"
+	done <"$STATE/saved/sysctl"
+}
+
 pid_alive() { [[ -f $RUN/$1.pid ]] && kill -0 "$(cat "$RUN/$1.pid")" 2>/dev/null; }
 
 # start NAME CMD...: a daemon in its own session, output to $STATE/logs/NAME.log.
@@ -382,6 +394,10 @@ cmd_up() {
 		--node-ip "$NODE_IP"
 	start kube-proxy "$BIN/kube-proxy" --config "$STATE/kube-proxy.yaml"
 	wait_for 120 "node $NODE_NAME Ready" kubectl wait --for=condition=Ready "node/$NODE_NAME" --timeout=5s
+	# The kubelet set kernel.panic=10 and kernel.panic_on_oops=1 once, at start:
+	# a machine where BPF programs are developed must not reboot on an oops
+	# while the cluster runs. Put the node's values back now (down restores the rest).
+	restore_sysctls kernel.panic kernel.panic_on_oops vm.panic_on_oom
 
 	install_meshwarp localhost/meshwarp cluster-a
 	kubectl -n "$AGENT_NS" rollout status "ds/$RELEASE" --timeout=180s >&2
@@ -546,9 +562,7 @@ cmd_down() {
 		[[ -d $h/$CGROUP_ROOT ]] && find "$h/$CGROUP_ROOT" -depth -type d -exec rmdir {} \; 2>/dev/null || true
 	done
 	# 8. Kernel settings.
-	if [[ -f $STATE/saved/sysctl ]]; then
-		while IFS= read -r kv; do sysctl -q -w "$kv" >/dev/null 2>&1 || log "could not restore $kv"; done <"$STATE/saved/sysctl"
-	fi
+	restore_sysctls
 	# 9. Host paths that did not exist before up.
 	# CNI results of our pods: our network's, and containerd's loopback ones
 	# of the same sandboxes (left when the kubelet could not tear pods down).

@@ -297,19 +297,42 @@ func sockopsAttached(t *testing.T, cgroup string) int {
 	return len(r.Programs)
 }
 
+func sysctls(t *testing.T, keys []string) []string {
+	t.Helper()
+	var v []string
+	for _, k := range keys {
+		b, err := os.ReadFile("/proc/sys/" + k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		v = append(v, k+"="+strings.TrimSpace(string(b)))
+	}
+	return v
+}
+
 func TestPrivilegedCluster(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	// A fresh cluster: whatever an earlier run or a user left up goes first.
 	script(t, 10*time.Minute, "down")
+	// The kubelet sets these at start; the node's values must hold while the
+	// cluster runs (panic settings) and come back with down (all).
+	kernel := []string{"kernel/panic", "kernel/panic_on_oops", "vm/overcommit_memory"}
+	node := sysctls(t, kernel)
 	// Registered before up: down also cleans after a failed up.
 	t.Cleanup(func() {
 		t1 := time.Now()
 		script(t, 10*time.Minute, "down")
 		t.Logf("down took %s", time.Since(t1).Round(time.Second))
+		if after := sysctls(t, kernel); fmt.Sprint(after) != fmt.Sprint(node) {
+			t.Errorf("kernel settings after down %v, before up %v", after, node)
+		}
 	})
 	t0 := time.Now()
 	script(t, 60*time.Minute, "up")
 	t.Logf("up took %s", time.Since(t0).Round(time.Second))
+	if during := sysctls(t, kernel[:2]); fmt.Sprint(during) != fmt.Sprint(node[:2]) {
+		t.Errorf("kernel panic settings while the cluster runs %v, the node's %v", during, node[:2])
+	}
 	var st clusterStatus
 	if err := json.Unmarshal(script(t, 3*time.Minute, "status", "--json"), &st); err != nil {
 		t.Fatalf("decode status: %v", err)
