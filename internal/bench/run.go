@@ -68,6 +68,9 @@ type runner struct {
 	// qperfCaptureBroken is set when qperf failed through the sidecars:
 	// qperf then runs in direct modes only.
 	qperfCaptureBroken bool
+	// redisRate is the last measured redis request rate per row, which
+	// sizes redis-benchmark -n for the next run.
+	redisRate map[string]float64
 }
 
 // Run measures every selected mode and workload in env, interleaving the
@@ -85,7 +88,7 @@ func Run(ctx context.Context, opts Options, env Env, startAgent StartAgentFunc, 
 		}
 		opts.WorkerCommand = []string{exe, "bench", "worker"}
 	}
-	r := &runner{opts: opts, env: env, start: startAgent, log: opts.Logger.With("subsys", "bench")}
+	r := &runner{opts: opts, env: env, start: startAgent, log: opts.Logger.With("subsys", "bench"), redisRate: map[string]float64{}}
 	steps, total := r.plan()
 	r.prog = newProgress(progressOut, steps, total)
 	t0 := time.Now()
@@ -97,7 +100,9 @@ func Run(ctx context.Context, opts Options, env Env, startAgent StartAgentFunc, 
 			r.notes = append(r.notes, fmt.Sprintf("the agent's BPF CPU time is not reported: %v", err))
 		} else {
 			defer stats.Close()
-			r.notes = append(r.notes, "BPF run-time statistics were on during the bench (a clock read per program run, in the modes with an agent)")
+			r.notes = append(r.notes, "BPF run-time statistics were on during the bench (a clock read per program run, in the modes with an agent); "+
+				"turned on through a BPF_ENABLE_STATS descriptor that the bench holds, so they go back off when it exits, also on a crash "+
+				"(kernel.bpf_stats_enabled was "+bpfStatsSysctl()+" and is not written)")
 		}
 	}
 	err := r.runAll(ctx)
@@ -113,9 +118,10 @@ func Run(ctx context.Context, opts Options, env Env, startAgent StartAgentFunc, 
 	return rep, nil
 }
 
-func (r *runner) fortioWorkloads() []string {
+// modeWorkloads are the selected workloads that run in every mode, in run order.
+func (r *runner) modeWorkloads() []string {
 	var ws []string
-	for _, w := range []string{WorkloadHTTP, WorkloadTCP, WorkloadQperf} {
+	for _, w := range []string{WorkloadHTTP, WorkloadTCP, WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1, WorkloadRedis, WorkloadQperf} {
 		if r.opts.hasWorkload(w) {
 			ws = append(ws, w)
 		}
@@ -127,9 +133,12 @@ func (r *runner) fortioWorkloads() []string {
 func (r *runner) estimate(workload string) time.Duration {
 	q := r.opts.QperfDuration
 	n := time.Duration(len(r.opts.Sizes))
-	switch workload {
-	case WorkloadHTTP, WorkloadTCP:
+	if _, ok := fortioWorkload(workload); ok {
 		return r.opts.Duration + 300*time.Millisecond
+	}
+	switch workload {
+	case WorkloadRedis:
+		return 2*r.opts.Duration + time.Second
 	case WorkloadQperf:
 		return n * 2 * (q + 250*time.Millisecond)
 	case WorkloadUnix:
@@ -143,7 +152,7 @@ func (r *runner) plan() (int, time.Duration) {
 	var total time.Duration
 	for range r.opts.Repeat {
 		for range r.opts.Modes {
-			for _, w := range r.fortioWorkloads() {
+			for _, w := range r.modeWorkloads() {
 				steps++
 				total += r.estimate(w)
 			}
@@ -165,9 +174,16 @@ func (r *runner) runAll(ctx context.Context) error {
 		}
 		defer stop()
 	}
+	if r.opts.hasWorkload(WorkloadRedis) {
+		stop, err := r.startRedis(ctx)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
 	for rep := range r.opts.Repeat {
 		for _, mode := range r.opts.Modes {
-			if len(r.fortioWorkloads()) == 0 {
+			if len(r.modeWorkloads()) == 0 {
 				break
 			}
 			if err := r.runMode(ctx, rep, mode); err != nil {
@@ -231,7 +247,7 @@ func (r *runner) runMode(ctx context.Context, rep int, mode string) (err error) 
 				if uerr := agents.Uninstall(); uerr != nil {
 					err = errors.Join(err, uerr)
 				}
-				return fmt.Errorf("start meshwarp agent for %s: %w", mode, err)
+					return fmt.Errorf("start meshwarp agent for %s: %w", mode, err)
 			}
 			agents = append(agents, a)
 		}
@@ -247,17 +263,25 @@ func (r *runner) runMode(ctx context.Context, rep int, mode string) (err error) 
 			}
 		}()
 	}
-	for _, w := range r.fortioWorkloads() {
+	if agent != nil {
+		if err := r.measureIdle(rep, mode, agent); err != nil {
+			return fmt.Errorf("agent at idle in %s: %w", mode, err)
+		}
+	}
+	for _, w := range r.modeWorkloads() {
 		if w == WorkloadQperf && capture && r.qperfCaptureBroken {
 			continue
 		}
 		label := fmt.Sprintf("repeat %d/%d  %-16s %s", rep+1, r.opts.Repeat, mode, w)
 		r.prog.begin(label, r.estimate(w))
 		var werr error
-		switch w {
-		case WorkloadHTTP, WorkloadTCP:
+		_, isFortio := fortioWorkload(w)
+		switch {
+		case isFortio:
 			werr = r.runFortio(ctx, rep, mode, w, agent)
-		case WorkloadQperf:
+		case w == WorkloadRedis:
+			werr = r.runRedis(ctx, rep, mode, agent)
+		case w == WorkloadQperf:
 			werr = r.runQperf(ctx, rep, mode, agent)
 			if errors.Is(werr, ErrQperfThroughSidecar) && ctx.Err() == nil {
 				r.qperfCaptureBroken = true
@@ -286,27 +310,15 @@ func agentFlows(a Agent) ([]accel.Flow, error) {
 	return f, nil
 }
 
-// agentSnapshot reads the counters (nil agent: nothing).
-func (r *runner) agentSnapshot(a Agent) (accel.Stats, error) {
-	if a == nil {
-		return accel.Stats{}, nil
+// connections is the concurrency of a fortio workload.
+func (r *runner) connections(workload string) int {
+	switch workload {
+	case WorkloadHTTPClose:
+		return r.opts.CloseConnections
+	case WorkloadHTTPC1, WorkloadTCPC1:
+		return 1
 	}
-	c, err := a.Stats()
-	if err != nil {
-		return c, fmt.Errorf("read agent counters: %w", err)
-	}
-	return c, nil
-}
-
-func (r *runner) agentDelta(a Agent, before accel.Stats) (*AgentDelta, error) {
-	if a == nil {
-		return nil, nil
-	}
-	after, err := r.agentSnapshot(a)
-	if err != nil {
-		return nil, err
-	}
-	return deltaOf(after.Sub(before)), nil
+	return r.opts.Connections
 }
 
 func (r *runner) httpURL() string {
@@ -359,14 +371,16 @@ func (r *runner) runWorker(ctx context.Context, spec WorkerSpec, timeout time.Du
 }
 
 func (r *runner) runFortio(ctx context.Context, rep int, mode, workload string, agent Agent) error {
+	load, _ := fortioWorkload(workload)
 	spec := WorkerSpec{
-		Workload:          workload,
-		Connections:       r.opts.Connections,
+		Workload:          load,
+		Connections:       r.connections(workload),
 		DurationSeconds:   r.opts.Duration.Seconds(),
 		PayloadBytes:      r.opts.PayloadBytes,
 		ResolutionSeconds: DefaultResolutionSeconds,
+		DisableKeepAlive:  workload == WorkloadHTTPClose,
 	}
-	if workload == WorkloadHTTP {
+	if load == WorkloadHTTP {
 		spec.Target = r.httpURL()
 	} else {
 		spec.Target = r.tcpTarget()
@@ -393,7 +407,7 @@ func (r *runner) runFortio(ctx context.Context, rep int, mode, workload string, 
 	}
 	s := FortioSample(mode, workload, rep, res, cpu)
 	s.Agent = delta
-	if workload == WorkloadHTTP && flowsAfter != nil {
+	if load == WorkloadHTTP && flowsAfter != nil {
 		s.Observed = newObservation(observe.Sub(flowsAfter, flowsBefore), r.env.HTTPPort())
 	}
 	r.samples = append(r.samples, s)
@@ -454,11 +468,19 @@ func (r *runner) config() Config {
 		LatencyDefinitionQperf: "qperf and unix latency is qperf's tcp_lat: one way, half a round trip; " +
 			"their qps is round trips per second; http/tcp latency is fortio's request round trip",
 	}
-	if o.hasWorkload(WorkloadHTTP) {
+	if o.hasWorkload(WorkloadHTTP) || o.hasWorkload(WorkloadHTTPClose) || o.hasWorkload(WorkloadHTTPC1) {
 		c.HTTPURL = r.httpURL()
 	}
-	if o.hasWorkload(WorkloadTCP) {
+	if o.hasWorkload(WorkloadTCP) || o.hasWorkload(WorkloadTCPC1) {
 		c.TCPTarget = r.tcpTarget()
+	}
+	if o.hasWorkload(WorkloadHTTPClose) {
+		c.CloseConnections = o.CloseConnections
+	}
+	if o.hasWorkload(WorkloadRedis) {
+		c.RedisTarget = r.redisTarget()
+		c.RedisBenchmark = fmt.Sprintf("redis-benchmark -c %d -t %s -n N (N for about %gs per command), and again with -P %d; qps = requests of both commands / their time, latency = mean of the two commands' figures",
+			redisClients, redisTests, o.Duration.Seconds(), redisPipeline)
 	}
 	if o.hasWorkload(WorkloadQperf) {
 		listen, _ := r.qperfListenPort()
