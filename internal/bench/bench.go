@@ -92,8 +92,8 @@ var KnownWorkloads = append(slices.Clone(AllWorkloads), WorkloadHTTPClose, Workl
 
 // reportOrder is the order of the report's rows (a workload may report
 // rows under more than one name: redis).
-var reportOrder = []string{WorkloadHTTP, WorkloadTCP, WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1,
-	WorkloadRedis, WorkloadRedisPipelined, WorkloadQperf, WorkloadUnix, WorkloadIdle}
+var reportOrder = []string{WorkloadIdle, WorkloadHTTP, WorkloadTCP, WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1,
+	WorkloadRedis, WorkloadRedisPipelined, WorkloadQperf, WorkloadUnix}
 
 // fortioWorkload returns the fortio load (http or tcp) of a workload and
 // whether it is one.

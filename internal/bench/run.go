@@ -407,7 +407,7 @@ func (r *runner) runFortio(ctx context.Context, rep int, mode, workload string, 
 	}
 	s := FortioSample(mode, workload, rep, res, cpu)
 	s.Agent = delta
-	if load == WorkloadHTTP && flowsAfter != nil {
+	if workload == WorkloadHTTP && flowsAfter != nil {
 		s.Observed = newObservation(observe.Sub(flowsAfter, flowsBefore), r.env.HTTPPort())
 	}
 	r.samples = append(r.samples, s)
