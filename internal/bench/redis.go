@@ -38,8 +38,15 @@ func (r *runner) redisTarget() string {
 // startRedis starts redis-server in the server pod (no persistence, no
 // protected mode: it answers the client pod) and waits until it listens.
 func (r *runner) startRedis(ctx context.Context) (stop func(), err error) {
-	cmd := r.env.ServerCommand(ctx, "redis-server", "--port", strconv.Itoa(RedisPort), "--bind", "0.0.0.0",
-		"--protected-mode", "no", "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning")
+	// The pod's address for the client and its loopback for the inbound
+	// sidecar (which connects from 127.0.0.6).
+	bind := []string{r.env.ServerIP().String()}
+	if !r.env.ServerIP().IsLoopback() {
+		bind = append(bind, "127.0.0.1")
+	}
+	args := append([]string{"--port", strconv.Itoa(RedisPort), "--bind"}, bind...)
+	args = append(args, "--protected-mode", "no", "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning")
+	cmd := r.env.ServerCommand(ctx, "redis-server", args...)
 	var stderr bytes.Buffer
 	cmd.Stdout = &tailWriter{buf: &stderr, max: 2048}
 	cmd.Stderr = cmd.Stdout
