@@ -80,12 +80,12 @@ func (r *runner) startRedis(ctx context.Context) (stop func(), err error) {
 
 // RedisResult is one redis-benchmark line (--csv).
 type RedisResult struct {
-	Test      string
-	RPS       float64
-	AvgMS     float64
-	P50MS     float64
-	P99MS     float64
-	MaxMS     float64
+	Test  string
+	RPS   float64
+	AvgMS float64
+	P50MS float64
+	P99MS float64
+	MaxMS float64
 }
 
 // ParseRedisBenchmarkCSV reads redis-benchmark --csv output (redis 7:

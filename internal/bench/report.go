@@ -241,7 +241,7 @@ type HopsSummary struct {
 	// BPFPrograms is each program's share (medians over repeats).
 	BPFPrograms map[string]BPFProgramSummary `json:"bpf_programs,omitempty"`
 	// Cost is what the agent itself used over the run (medians over repeats).
-	Cost *AgentCost `json:"agent_cost,omitempty"`
+	Cost                *AgentCost        `json:"agent_cost,omitempty"`
 	PassthroughByReason map[string]uint64 `json:"passthrough_messages_by_reason,omitempty"`
 	// PassthroughConnections is the most connections any one repeat left
 	// to TCP, by reason: a single bad repeat shows.

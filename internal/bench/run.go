@@ -247,7 +247,7 @@ func (r *runner) runMode(ctx context.Context, rep int, mode string) (err error) 
 				if uerr := agents.Uninstall(); uerr != nil {
 					err = errors.Join(err, uerr)
 				}
-					return fmt.Errorf("start meshwarp agent for %s: %w", mode, err)
+				return fmt.Errorf("start meshwarp agent for %s: %w", mode, err)
 			}
 			agents = append(agents, a)
 		}
