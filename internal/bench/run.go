@@ -151,7 +151,10 @@ func (r *runner) plan() (int, time.Duration) {
 	steps := 0
 	var total time.Duration
 	for range r.opts.Repeat {
-		for range r.opts.Modes {
+		for _, m := range r.opts.Modes {
+			if ModeAgent(m) && len(r.modeWorkloads()) > 0 {
+				total += IdleWindow
+			}
 			for _, w := range r.modeWorkloads() {
 				steps++
 				total += r.estimate(w)
