@@ -228,5 +228,5 @@ func (o Options) withDefaults() (Options, error) {
 var PodSysctls = [][2]string{
 	{"net/ipv4/tcp_tw_reuse", "1"},
 	{"net/ipv4/ip_local_port_range", "16384 65535"},
-	{"net/ipv4/ip_local_reserved_ports", strconv.Itoa(QperfPort) + "," + strconv.Itoa(QperfPort+1)},
+	{"net/ipv4/ip_local_reserved_ports", strconv.Itoa(QperfPort) + "-" + strconv.Itoa(QperfPort+1)}, // as the kernel prints it back
 }
