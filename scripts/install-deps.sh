@@ -4,7 +4,7 @@
 # Usage: scripts/install-deps.sh [--test]   (--test adds what only the tests need)
 set -euo pipefail
 
-pkgs=(clang llvm libbpf-dev bpftool iproute2 iptables procps haproxy qperf)
+pkgs=(clang llvm libbpf-dev bpftool iproute2 iptables procps haproxy qperf redis-server redis-tools)
 if [[ "${1:-}" == "--test" ]]; then
 	pkgs+=(chromium podman runc tshark tmux)
 fi
