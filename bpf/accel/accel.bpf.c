@@ -433,6 +433,8 @@ static __always_inline __u32 socket_unfit(struct bpf_sock *sk)
 	if (BPF_CORE_READ_BITFIELD(tp, recvmsg_inq))
 		return MW_REASON_TCP_INQ;
 	flags = s->__sk_common.skc_flags;
+	if (flags & (1ULL << bpf_core_enum_value(enum sock_flags, SOCK_URGINLINE)))
+		return MW_REASON_OOB;
 	if (flags & (1ULL << bpf_core_enum_value(enum sock_flags, SOCK_ZEROCOPY)))
 		return MW_REASON_ZEROCOPY;
 	if ((flags & ((1ULL << bpf_core_enum_value(enum sock_flags, SOCK_RCVTSTAMP)) |
@@ -1497,6 +1499,7 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 			if (observe && c)
 				obs_msg(msg, st, c, size);
 			st->sent += size;
+			st->redir_ns = bpf_ktime_get_coarse_ns();
 			if (cnt) {
 				cnt->redirected_msgs++;
 				cnt->redirected_bytes += size;
@@ -1538,3 +1541,4 @@ int mw_skmsg_tap(struct sk_msg_md *msg)
 #endif
 
 #include "watches.h"
+#include "fin_order.h"

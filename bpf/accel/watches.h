@@ -224,6 +224,7 @@ int mw_close_watch(struct trace_event_raw_sys_enter *ctx)
 }
 
 #define MW_SOL_SOCKET 1
+#define MW_SO_OOBINLINE 10
 #define MW_IPPROTO_TCP 6
 #define MW_SO_RCVLOWAT 18
 #define MW_SO_TIMESTAMP_OLD 29
@@ -245,6 +246,8 @@ static __always_inline __u32 option_unfit(int level, int name, int val)
 	if (level != MW_SOL_SOCKET)
 		return 0;
 	switch (name) {
+	case MW_SO_OOBINLINE:
+		return val ? MW_REASON_OOB : 0;
 	case MW_SO_RCVLOWAT:
 		return val > 1 ? MW_REASON_RCVLOWAT : 0;
 	case MW_SO_PEEK_OFF:
@@ -311,8 +314,15 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	untouched = c->dir[0] == MW_DIR_NEVER && c->dir[1] == MW_DIR_NEVER;
 	if (untouched)
 		return 1;
-	/* src_port: host order; dst_port: network order (16 bits). */
-	learn_unfit_ports(sk->src_port, bpf_ntohs(sk->dst_port), reason);
+	/*
+	 * Learn the server's port only: the accepting side's own port, the
+	 * connecting side's remote one (an ephemeral port says nothing about
+	 * later connections). src_port: host order; dst_port: network order.
+	 */
+	if (st->role == MW_ROLE_PASSIVE)
+		learn_unfit_ports(sk->src_port, 0, reason);
+	else
+		learn_unfit_ports(0, bpf_ntohs(sk->dst_port), reason);
 	return 1;
 }
 

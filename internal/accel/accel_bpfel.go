@@ -240,6 +240,7 @@ type accelMwSkState struct {
 	RunBytes uint64
 	RunMsgs  uint32
 	Left     uint32
+	RedirNs  uint64
 }
 
 type accelMwSockKey struct {
@@ -303,6 +304,7 @@ const (
 	accelMapMwUnhinted             = "mw_unhinted"
 	accelProgMwCloseWatch          = "mw_close_watch"
 	accelProgMwConnectWatch        = "mw_connect_watch"
+	accelProgMwFinOrder            = "mw_fin_order"
 	accelProgMwObsEgress           = "mw_obs_egress"
 	accelProgMwObsIngress          = "mw_obs_ingress"
 	accelProgMwObsRecv             = "mw_obs_recv"
@@ -373,6 +375,7 @@ type accelSpecs struct {
 type accelProgramSpecs struct {
 	MwCloseWatch    *ebpf.ProgramSpec `ebpf:"mw_close_watch"`
 	MwConnectWatch  *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
+	MwFinOrder      *ebpf.ProgramSpec `ebpf:"mw_fin_order"`
 	MwObsEgress     *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
 	MwObsIngress    *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
 	MwObsRecv       *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
@@ -512,6 +515,7 @@ type accelVariables struct {
 type accelPrograms struct {
 	MwCloseWatch    *ebpf.Program `ebpf:"mw_close_watch"`
 	MwConnectWatch  *ebpf.Program `ebpf:"mw_connect_watch"`
+	MwFinOrder      *ebpf.Program `ebpf:"mw_fin_order"`
 	MwObsEgress     *ebpf.Program `ebpf:"mw_obs_egress"`
 	MwObsIngress    *ebpf.Program `ebpf:"mw_obs_ingress"`
 	MwObsRecv       *ebpf.Program `ebpf:"mw_obs_recv"`
@@ -531,6 +535,7 @@ func (p *accelPrograms) Close() error {
 	return _AccelClose(
 		p.MwCloseWatch,
 		p.MwConnectWatch,
+		p.MwFinOrder,
 		p.MwObsEgress,
 		p.MwObsIngress,
 		p.MwObsRecv,

@@ -80,6 +80,7 @@ const DefaultCapacity = 65536
 const (
 	sockopsLinkPin = "mw_sockops_link"
 	sockoptLinkPin = "mw_sockopt_link"
+	finLinkPin     = "mw_fin_link"
 	skmsgLinkPin   = "mw_skmsg_link"
 	obsEgressPin   = "mw_obs_egress_link"
 	obsIngressPin  = "mw_obs_ingress_link"
@@ -87,7 +88,7 @@ const (
 )
 
 // linkPins are every link meshwarp pins, in the order they are removed.
-var linkPins = []string{sockopsLinkPin, sockoptLinkPin, skmsgLinkPin, obsEgressPin, obsIngressPin, obsRecvPin}
+var linkPins = []string{sockopsLinkPin, sockoptLinkPin, finLinkPin, skmsgLinkPin, obsEgressPin, obsIngressPin, obsRecvPin}
 
 // Config selects what the agent attaches to and what it accelerates.
 type Config struct {
@@ -190,6 +191,8 @@ type Agent struct {
 	sockops link.Link
 	// sockopt sees the cgroup's setsockopt calls (bpf/accel/watches.h).
 	sockopt link.Link
+	// fin keeps a FIN behind its socket's redirected bytes (bpf/accel/fin_order.h).
+	fin link.Link
 	skmsg   link.Link
 	// obs are the observation's links (cgroup_skb egress and ingress, and the read
 	// tracepoint with Config.ObserveReads), pinned like the rest.
@@ -339,6 +342,19 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	}
 	sockopt := a.sockopt
 	undo = append(undo, func() { sockopt.Close() })
+
+	a.fin, err = attachOrUpdate(filepath.Join(cfg.PinDir, finLinkPin), a.objs.MwFinOrder, func() (link.Link, error) {
+		return link.AttachCgroup(link.CgroupOptions{
+			Path:    cfg.CgroupPath,
+			Attach:  ebpf.AttachCGroupInetEgress,
+			Program: a.objs.MwFinOrder,
+		})
+	}, func(l link.Link) error { return sameCgroup(l, cfg.CgroupPath) })
+	if err != nil {
+		return nil, fmt.Errorf("attach cgroup egress (FIN order) to %s: %w", cfg.CgroupPath, err)
+	}
+	fin := a.fin
+	undo = append(undo, func() { fin.Close() })
 
 	if err := a.attachObservation(); err != nil {
 		return nil, err
@@ -533,7 +549,7 @@ func (a *Agent) Stats() (Stats, error) {
 		return s, err
 	}
 	s.UnfitProcesses, err = readUnfitProcesses(a.objs.MwUnfitProcs)
-	for _, p := range []*ebpf.Program{a.objs.MwSockops, a.objs.MwSkmsg, a.objs.MwSetsockopt, a.objs.MwObsEgress, a.objs.MwObsIngress, a.objs.MwObsRecv,
+	for _, p := range []*ebpf.Program{a.objs.MwSockops, a.objs.MwSkmsg, a.objs.MwSetsockopt, a.objs.MwFinOrder, a.objs.MwObsEgress, a.objs.MwObsIngress, a.objs.MwObsRecv,
 		a.objs.MwSpliceWatch, a.objs.MwRecvfromWatch, a.objs.MwRecvmsgWatch, a.objs.MwRecvmmsgWatch, a.objs.MwSendtoWatch,
 		a.objs.MwSendmsgWatch, a.objs.MwSendmmsgWatch, a.objs.MwCloseWatch, a.objs.MwConnectWatch} {
 		if ps, perr := p.Stats(); perr == nil {
@@ -580,6 +596,9 @@ func (a *Agent) Close() error {
 	if a.sockopt != nil {
 		errs = append(errs, a.sockopt.Close())
 	}
+	if a.fin != nil {
+		errs = append(errs, a.fin.Close())
+	}
 	if a.skmsg != nil {
 		errs = append(errs, a.skmsg.Close())
 	}
@@ -616,6 +635,10 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 	if a.sockopt != nil {
 		errs = append(errs, a.sockopt.Unpin(), a.sockopt.Close())
 		a.sockopt = nil
+	}
+	if a.fin != nil {
+		errs = append(errs, a.fin.Unpin(), a.fin.Close())
+		a.fin = nil
 	}
 	if a.skmsg != nil {
 		errs = append(errs, a.skmsg.Unpin(), a.skmsg.Close())

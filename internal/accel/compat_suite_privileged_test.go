@@ -307,7 +307,7 @@ var callRows = []compatRow{
 			}
 		},
 		limitedAt: []compatMoment{momentFirst, momentPaired},
-		limit: "recv returns what has arrived (tcp_bpf_recvmsg does not loop for MSG_WAITALL); " +
+		limit: "recv returns what has arrived (tcp_bpf_recvmsg does not loop for MSG_WAITALL; docs/kernel/01-msg-waitall.md); " +
 			"with `run --learn-from-syscalls` later connections on its ports stay on TCP",
 	},
 	{
@@ -335,7 +335,7 @@ var callRows = []compatRow{
 			}
 		},
 		limitedAt: []compatMoment{momentFirst, momentPaired},
-		limit: "the urgent byte arrives inline and recv(MSG_OOB) returns normal data (tcp_bpf_sendmsg and tcp_bpf_recvmsg ignore MSG_OOB); " +
+		limit: "the urgent byte arrives inline and recv(MSG_OOB) returns normal data (the redirect, bpf_tcp_ingress, drops the flag, and tcp_bpf_recvmsg ignores it; docs/kernel/02-msg-oob.md); " +
 			"with `run --learn-from-syscalls` later connections on its ports stay on TCP",
 	},
 	{
@@ -397,11 +397,11 @@ var callRows = []compatRow{
 			}
 		},
 		limitedAt: []compatMoment{momentFirst, momentPaired},
-		limit: "the peer sees FIN, not RST (tcp_close counts only sk_receive_queue as unread, not the redirect queue); " +
+		limit: "the peer sees FIN, not RST (tcp_close counts only sk_receive_queue as unread, not the redirect queue; docs/kernel/03-close-unread-rst.md); " +
 			"with `run --learn-from-syscalls` later connections on its ports stay on TCP",
 	},
 	{
-		name: "shutdown racing send", repeat: 8,
+		name: "shutdown racing send", repeat: 60,
 		// One thread writes 40-64 KB messages while another calls
 		// shutdown(SHUT_WR): the reader gets every accepted byte, then EOF,
 		// and nothing after EOF.
@@ -531,7 +531,7 @@ var callRows = []compatRow{
 			}
 		},
 		limitedAt: []compatMoment{momentFirst, momentPaired},
-		limit: "splice finds nothing: the bytes wait in the redirect queue, which tcp_splice_read does not read; " +
+		limit: "splice finds nothing: the bytes wait in the redirect queue, which tcp_splice_read does not read (docs/kernel/04-splice.md); " +
 			"with `run --learn-from-syscalls` later connections on its ports stay on TCP",
 	},
 	{

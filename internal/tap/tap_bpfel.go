@@ -162,6 +162,7 @@ type tapMwSkState struct {
 	RunBytes uint64
 	RunMsgs  uint32
 	Left     uint32
+	RedirNs  uint64
 }
 
 type tapMwSockKey struct {
@@ -245,6 +246,7 @@ const (
 	tapMapMwUnhinted             = "mw_unhinted"
 	tapProgMwCloseWatch          = "mw_close_watch"
 	tapProgMwConnectWatch        = "mw_connect_watch"
+	tapProgMwFinOrder            = "mw_fin_order"
 	tapProgMwObsEgress           = "mw_obs_egress"
 	tapProgMwObsIngress          = "mw_obs_ingress"
 	tapProgMwObsRecv             = "mw_obs_recv"
@@ -319,6 +321,7 @@ type tapSpecs struct {
 type tapProgramSpecs struct {
 	MwCloseWatch    *ebpf.ProgramSpec `ebpf:"mw_close_watch"`
 	MwConnectWatch  *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
+	MwFinOrder      *ebpf.ProgramSpec `ebpf:"mw_fin_order"`
 	MwObsEgress     *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
 	MwObsIngress    *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
 	MwObsRecv       *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
@@ -474,6 +477,7 @@ type tapVariables struct {
 type tapPrograms struct {
 	MwCloseWatch    *ebpf.Program `ebpf:"mw_close_watch"`
 	MwConnectWatch  *ebpf.Program `ebpf:"mw_connect_watch"`
+	MwFinOrder      *ebpf.Program `ebpf:"mw_fin_order"`
 	MwObsEgress     *ebpf.Program `ebpf:"mw_obs_egress"`
 	MwObsIngress    *ebpf.Program `ebpf:"mw_obs_ingress"`
 	MwObsRecv       *ebpf.Program `ebpf:"mw_obs_recv"`
@@ -494,6 +498,7 @@ func (p *tapPrograms) Close() error {
 	return _TapClose(
 		p.MwCloseWatch,
 		p.MwConnectWatch,
+		p.MwFinOrder,
 		p.MwObsEgress,
 		p.MwObsIngress,
 		p.MwObsRecv,
