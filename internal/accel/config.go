@@ -3,6 +3,7 @@
 package accel
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"time"
@@ -125,28 +126,15 @@ func dataPathConstants(v *accelVariableSpecs, cfg Config) []constant {
 	}
 }
 
+// setDefaults fills in every setting left at zero.
 func (c *Config) setDefaults() {
-	if c.PinDir == "" {
-		c.PinDir = DefaultPinDir
-	}
-	if c.SockhashCapacity == 0 {
-		c.SockhashCapacity = DefaultCapacity
-	}
-	if c.SidecarUID == 0 {
-		c.SidecarUID = DefaultSidecarUID
-	}
-	if c.OutboundPort == 0 {
-		c.OutboundPort = DefaultOutboundPort
-	}
-	if c.InboundPort == 0 {
-		c.InboundPort = DefaultInboundPort
-	}
-	if c.UnpairedTimeout == 0 {
-		c.UnpairedTimeout = DefaultUnpairedTimeout
-	}
-	if c.RedirectBudget == 0 {
-		c.RedirectBudget = DefaultRedirectBudget
-	}
+	c.PinDir = cmp.Or(c.PinDir, DefaultPinDir)
+	c.SockhashCapacity = cmp.Or(c.SockhashCapacity, DefaultCapacity)
+	c.SidecarUID = cmp.Or(c.SidecarUID, DefaultSidecarUID)
+	c.OutboundPort = cmp.Or(c.OutboundPort, DefaultOutboundPort)
+	c.InboundPort = cmp.Or(c.InboundPort, DefaultInboundPort)
+	c.UnpairedTimeout = cmp.Or(c.UnpairedTimeout, DefaultUnpairedTimeout)
+	c.RedirectBudget = cmp.Or(c.RedirectBudget, DefaultRedirectBudget)
 }
 
 func checkCgroup2(path string) error {
