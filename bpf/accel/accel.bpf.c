@@ -51,6 +51,7 @@
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
+/* The agent's cgroup (BPF_CGROUP_SOCK_OPS): observation, pairing (hints.h, pairing.h), leaving (leave.h). */
 SEC("sockops")
 int mw_sockops(struct bpf_sock_ops *skops)
 {
@@ -114,12 +115,14 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	return 1;
 }
 
+/* mw_sock_hash (BPF_SK_MSG_VERDICT): the redirect (redirect.h). */
 SEC("sk_msg")
 int mw_skmsg(struct sk_msg_md *msg)
 {
 	return skmsg(msg, false);
 }
 
+/* In mw_skmsg's place while `meshwarp tap` runs (tap.h); the agent does not load it. */
 SEC("sk_msg")
 int mw_skmsg_tap(struct sk_msg_md *msg)
 {
