@@ -116,7 +116,7 @@ func (p *agentProc) stop(t *testing.T, sig syscall.Signal) int {
 }
 
 func pinned(pinDir string) bool {
-	_, err := os.Stat(filepath.Join(pinDir, sockopsLinkPin))
+	_, err := os.Stat(filepath.Join(pinDir, SockopsLinkPin))
 	return err == nil
 }
 

@@ -152,7 +152,7 @@ type traceResult struct {
 // traceWhileBenchRuns waits for the bench's observing agent and fortio's
 // first requests, then runs `meshwarp trace --json` for 2 s.
 func traceWhileBenchRuns(ctx context.Context) traceResult {
-	obs := filepath.Join(bench.DefaultPinDir, "mw_obs_egress_link")
+	obs := filepath.Join(bench.DefaultPinDir, accel.ObsEgressLinkPin)
 	for {
 		if _, err := os.Stat(obs); err == nil {
 			break

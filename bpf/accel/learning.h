@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
  * Learning what a redirect cannot honour, from the calls of the cgroup's
- * processes. Included by accel.bpf.c after the pairing and redirect code.
+ * processes (included after redirect.h, whose helpers it uses).
  *
  * mw_setsockopt (cgroup/setsockopt on the agent's cgroup, always attached):
  *   an option the redirect ignores, set on a socket in mw_sock_hash. If
@@ -24,8 +24,8 @@
  *   mw_unfit_rport), and `meshwarp status` names the processes
  *   (mw_unfit_procs).
  */
-#ifndef MESHWARP_WATCHES_H
-#define MESHWARP_WATCHES_H
+#ifndef MESHWARP_LEARNING_H
+#define MESHWARP_LEARNING_H
 
 #define MW_S_IFMT 00170000
 #define MW_S_IFSOCK 0140000
@@ -326,4 +326,4 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	return 1;
 }
 
-#endif /* MESHWARP_WATCHES_H */
+#endif /* MESHWARP_LEARNING_H */
