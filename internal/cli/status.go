@@ -72,7 +72,7 @@ attached). Counters are cumulative across agent restarts.
    that port stay on TCP:
     splice_reader   read it with splice(2) (sees only the TCP queue)
     waitall_reader  recv(MSG_WAITALL) (the redirect queue returns what it holds)
-    oob             sent or read MSG_OOB (redirected bytes carry no urgent mark)
+    oob             SO_OOBINLINE set, or (learned) sent or read MSG_OOB: redirected bytes carry no urgent mark
     unread_close    closed it with unread bytes (TCP would send RST; the redirect path FIN)
     disconnect      connect(AF_UNSPEC) on it (the redirect queue outlives the connection)
   removed_sockets_by_reason  sockets kept off the SOCKHASH (the connecting socket of a
