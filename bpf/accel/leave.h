@@ -133,6 +133,58 @@ done:
 	stop_leave_checks(skops, cb_flags);
 }
 
+/*
+ * A socket of a connection that went to TCP leaves at its next packet
+ * (on_leave_check). One that gets none after its conditions came true (a
+ * reader whose TCP bytes were all acknowledged while it still had
+ * redirected bytes to read; a requester that stopped sending) would stay in
+ * mw_sock_hash, where FIONREAD counts only the empty redirect queue. The
+ * connection's timer re-runs the check every MW_LEAVE_POLL_NS from the
+ * switch until both sockets are out, with the rule of the receive path
+ * (no psock call running: one reference). The sockets' own state
+ * (st->left, the counters) is settled at their next callback or close.
+ */
+#define MW_LEAVE_POLL_NS (20 * 1000 * 1000ULL)
+
+/* Whether the socket of role index me is out of mw_sock_hash (now or before). */
+static __always_inline bool leave_by_timer(const struct mw_conn_id *id, struct mw_conn *c, __u32 me)
+{
+	struct mw_sock_key key = { .conn = *id, .active_cookie = c->active_cookie, .role = me + 1 };
+	__u64 self = me == 0 ? c->active_sk : c->passive_sk;
+
+	if (!self || !psock_of((struct sock *)self))
+		return true;
+	if (!peer_quiet(c, 1 - me) || redirect_backlog((struct sock *)self) ||
+	    !own_dir_drained(c, me, (struct sock *)self, 1))
+		return false;
+	c->dir[me & 1] = MW_DIR_DRAINED;
+	bpf_map_delete_elem(&mw_sock_hash, &key);
+	return true;
+}
+
+/* The timer's second use (see on_unpaired_timeout): re-run the leave check. */
+static __always_inline void leave_poll(struct mw_conn_id *id, struct mw_conn *c)
+{
+	bool out;
+
+	if (c->state != MW_CONN_PAIRED || !c->to_tcp)
+		return;
+	out = leave_by_timer(id, c, 0);
+	out = leave_by_timer(id, c, 1) && out;
+	if (!out)
+		bpf_timer_start(&c->unpaired_timer, MW_LEAVE_POLL_NS, 0);
+}
+
+/*
+ * Arm the leave poll. The callback was set by sock_ops when the timer was
+ * armed for the unpaired timeout (only sock_ops callbacks may delete from a
+ * SOCKHASH); a paired connection's timer is idle or about to fire harmlessly.
+ */
+static __always_inline void poll_leave(struct mw_conn *c)
+{
+	bpf_timer_start(&c->unpaired_timer, MW_LEAVE_POLL_NS, 0);
+}
+
 static __always_inline void on_close(struct bpf_sock *sk)
 {
 	struct mw_sk_state *st = bpf_sk_storage_get(&mw_sk_store, sk, 0, 0);

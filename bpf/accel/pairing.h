@@ -195,13 +195,19 @@ static __always_inline void count_join_error(__u32 reason)
 		cnt->sockhash_full++;
 }
 
-/* mw_conns timer: a connection still unpaired gives up and leaves the hash. */
+static __always_inline void leave_poll(struct mw_conn_id *id, struct mw_conn *c); /* leave.h */
+
+/*
+ * mw_conns timer: a connection still unpaired gives up and leaves the hash;
+ * one that went to TCP takes its sockets out once they may leave (leave.h).
+ */
 static int on_unpaired_timeout(void *map, struct mw_conn_id *id, struct mw_conn *c)
 {
 	if (c->state == MW_CONN_PENDING)
 		conn_passthrough(c, MW_REASON_UNPAIRED_TIMEOUT);
 	if (c->state == MW_CONN_PASSTHROUGH)
 		remove_active(id, c);
+	leave_poll(id, c);
 	return 0;
 }
 
