@@ -38,8 +38,8 @@ type Agent struct {
 	// sockopt sees the cgroup's setsockopt calls (bpf/accel/learning.h).
 	sockopt link.Link
 	// fin keeps a FIN behind its socket's redirected bytes (bpf/accel/fin_order.h).
-	fin link.Link
-	skmsg   link.Link
+	fin   link.Link
+	skmsg link.Link
 	// obs are the observation's links (cgroup_skb egress and ingress, and the read
 	// tracepoint with Config.ObserveReads), pinned like the rest.
 	obs []link.Link
