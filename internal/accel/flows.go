@@ -15,6 +15,8 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
 // ObsBucketBounds are the upper bounds of the duration histograms the
@@ -211,6 +213,9 @@ func boolU32(b bool) uint32 {
 func TraceReads(pinDir string) (io.Closer, error) {
 	if pinDir == "" {
 		pinDir = DefaultPinDir
+	}
+	if err := probe.HaveRecvTracepoint(); err != nil {
+		return nil, fmt.Errorf("off on this kernel (%s needs tracepoint sock:sock_recv_length, Linux 6.3): %w", probe.FeatureClientRead, err)
 	}
 	spec, err := loadAccel()
 	if err != nil {

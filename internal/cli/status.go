@@ -15,6 +15,7 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/crossnode"
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
 func newStatusCommand(g *Global) *cobra.Command {
@@ -111,12 +112,30 @@ attached). Counters are cumulative across agent restarts.
 				s.CrossNode.NameNodes()
 				s.CrossNode.Explain(cmd.Context())
 			}
+			// What this kernel does differently (probe.KernelFeatures): the
+			// same rows `meshwarp probe` prints, those that are off or use
+			// an older mechanism.
+			var differs []probe.Feature
+			for _, f := range probe.KernelFeatures() {
+				if !f.On || f.Reason != "" {
+					differs = append(differs, f)
+				}
+			}
 			if asJSON {
 				enc := json.NewEncoder(cmd.OutOrStdout())
 				enc.SetIndent("", "  ")
-				return enc.Encode(s)
+				return enc.Encode(struct {
+					accel.Stats
+					KernelFeatures []probe.Feature `json:"kernel_features_differ,omitempty"`
+				}{s, differs})
 			}
 			printStatus(cmd.OutOrStdout(), pinDir, s)
+			if len(differs) > 0 {
+				fmt.Fprintf(cmd.OutOrStdout(), "\non this kernel (see meshwarp probe):\n")
+				if err := writeFeatures(cmd.OutOrStdout(), differs); err != nil {
+					return err
+				}
+			}
 			return nil
 		},
 	}
