@@ -98,7 +98,10 @@ attached). Counters are cumulative across agent restarts.
                           (verified) and which families it redirects (netfilter rules in
                           the node's forwarding hooks, or IPv4 rp_filter, turn a family off;
                           ipv4_blocked_by / ipv6_blocked_by list them, read from the node
-                          when status runs)`,
+                          when status runs)
+  kernel_features_differ  what this kernel does differently (the features of
+                          'meshwarp probe' that are off, or use an older mechanism), each
+                          with why: e.g. on 6.1 meshwarp tap and --cross-node are off`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			s, err := accel.ReadPinnedStats(pinDir)
