@@ -16,7 +16,8 @@
 #     subset (see select below), and no test asserts wall-clock time
 #
 # Usage: scripts/vmtest.sh [KERNEL...]   (default: the 6.1 and 6.12 LTS images)
-# Environment: MESHWARP_VM_CACHE (default /var/cache/meshwarp-vmtest),
+# Environment: MESHWARP_VM_CACHE (default /var/lib/meshwarp-vmtest: not under /var/cache,
+#   which the guest sees as an empty tmpfs, and the kernel's modules must be visible there),
 #   MESHWARP_VM_RUN_ACCEL (the -run pattern for internal/accel),
 #   MESHWARP_VM_TIMEOUT (seconds per VM, default 900), MESHWARP_VM_KEEP=1 keeps
 #   the work directory (logs) for a look afterwards.
@@ -35,7 +36,7 @@ if ((${#kernels[@]} == 0)); then
 	kernels=(6.1.0-56-amd64 6.12.95+deb12-amd64)
 fi
 
-cache=${MESHWARP_VM_CACHE:-/var/cache/meshwarp-vmtest}
+cache=${MESHWARP_VM_CACHE:-/var/lib/meshwarp-vmtest}
 timeout_s=${MESHWARP_VM_TIMEOUT:-900}
 
 # What proves a kernel, chosen for the emulation budget (about 4-6 minutes a
@@ -45,7 +46,13 @@ timeout_s=${MESHWARP_VM_TIMEOUT:-900}
 # small-stream switch and socket removal (what reads the psock's queue, which
 # differs by kernel), and the lifecycle under load (kill, adopt, upgrade,
 # uninstall: what the sk_msg attach mechanism changes).
-accel_run=${MESHWARP_VM_RUN_ACCEL:-'^TestPrivileged(IntegrityLoopback|IntegrityAcrossNetns|NetnsIsolationCollidingTuples|NoPathSwitchMidStream|PairAcrossSourcePortRemap|CompatSocketOptions|NoHarm.*|Faithful(SlowReader|SendAfterShutdown|EarlyWriteKeepsOrder)|SmallStreamSwitchKeepsEveryByte|SmallStreamSocketsLeave|FallbackSockhashFull|LifecycleUnderLoad)$'}
+accel_tests='IntegrityLoopback|IntegrityAcrossNetns|NetnsIsolationCollidingTuples|NoPathSwitchMidStream|PairAcrossSourcePortRemap|CompatSocketOptions|NoHarmServerOutsideCgroup|NoHarmPassthroughFIONREAD|Faithful(SlowReader|SendAfterShutdown|EarlyWriteKeepsOrder)|SmallStreamSwitchKeepsEveryByte|FallbackSockhashFull|LifecycleUnderLoad'
+# These assert FIONREAD on a paired socket, which kernels without tcp_bpf's
+# ioctl (6.1) cannot give: there `meshwarp probe` must name the limitation
+# instead (feature "FIONREAD of redirected bytes" off; the guest checks it).
+fionread_tests='NoHarmPairedFIONREAD|SmallStreamSocketsLeave'
+accel_run=${MESHWARP_VM_RUN_ACCEL:-"^TestPrivileged($accel_tests|$fionread_tests)\$"}
+accel_run_limited=${MESHWARP_VM_RUN_ACCEL:-"^TestPrivileged($accel_tests)\$"}
 probe_run='^TestPrivileged'
 
 step() { printf '\n== vmtest: %s\n' "$*"; }
@@ -133,7 +140,12 @@ export MESHWARP_REQUIRE_PRIVILEGED=1 MESHWARP_TEST_BIN=$work/meshwarp MESHWARP_V
 uname -r >\$out/kernel
 $work/meshwarp probe >\$out/probe.log 2>&1; echo \$? >\$out/probe.rc
 (cd $repo/internal/probe && $work/probe.test -test.run '$probe_run' -test.v -test.count=1 -test.timeout 5m) >\$out/probe-tests.log 2>&1; echo \$? >\$out/probe-tests.rc
-(cd $repo/internal/accel && $work/accel.test -test.run '$accel_run' -test.v -test.count=1 -test.timeout 12m) >\$out/accel.log 2>&1; echo \$? >\$out/accel.rc
+run='$accel_run'
+if grep -q '^FIONREAD of redirected bytes *off' \$out/probe.log; then
+	run='$accel_run_limited'
+	echo "FIONREAD of paired sockets is a named limitation here: left out: $fionread_tests" >\$out/accel.log
+fi
+(cd $repo/internal/accel && $work/accel.test -test.run "\$run" -test.v -test.count=1 -test.timeout 12m) >>\$out/accel.log 2>&1; echo \$? >\$out/accel.rc
 EOF
 
 failed=()
@@ -162,7 +174,7 @@ for k in "${kernels[@]}"; do
 			sed -n '/^FEATURE/,$p' "$log" 2>/dev/null | sed 's/^/    /'
 			;;
 		*)
-			grep -E '^(--- (PASS|FAIL|SKIP)|ok|FAIL|PASS)' "$log" 2>/dev/null | sed 's/^/    /' || true
+			grep -E '^(--- (PASS|FAIL|SKIP)|ok|FAIL|PASS|FIONREAD)' "$log" 2>/dev/null | sed 's/^/    /' || true
 			;;
 		esac
 		if [[ "$rc" != 0 ]]; then

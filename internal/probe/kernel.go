@@ -34,6 +34,7 @@ const (
 	FeatureCrossNode    = "cross-node forwarding"
 	FeatureClientRead   = "client read time"
 	FeatureRedirectLoad = "receiver backlog"
+	FeatureFIONREAD     = "FIONREAD of redirected bytes"
 )
 
 // Kernel releases where the features below appeared (for the reasons).
@@ -137,9 +138,15 @@ func KernelFeatures() []Feature {
 				"RED metrics and every other point are unaffected: " + why(err)})
 	}
 
+	// The same kernel commit gave tcp_bpf its ioctl, which counts msg_tot_len.
 	if err := HaveMsgTotLen(); err == nil {
 		add(Feature{Name: FeatureRedirectLoad, On: true, How: "exact: struct sk_psock msg_tot_len"})
+		add(Feature{Name: FeatureFIONREAD, On: true, How: "tcp_bpf's ioctl counts the redirect queue (sk_psock msg_tot_len)"})
 	} else {
+		add(Feature{Name: FeatureFIONREAD, On: false,
+			Reason: "limitation: tcp_bpf has no ioctl before Linux " + kernelMsgTotLen + ": ioctl(FIONREAD/SIOCINQ) on a paired " +
+				"socket counts only its TCP queue, 0 while redirected bytes wait; a reader that waits for FIONREAD > 0 stalls. " +
+				"Exclude the ports of such readers up front (--exclude-ports), or use a kernel with the fix: " + why(err)})
 		add(Feature{Name: FeatureRedirectLoad, On: true,
 			How:    fmt.Sprintf("counted from the psock's message queue (first %d messages; more count as over the redirect budget, so a slow reader's direction goes to TCP sooner)", backlogWalkLimit),
 			Reason: "struct sk_psock has no msg_tot_len before Linux " + kernelMsgTotLen + ": " + why(err)})

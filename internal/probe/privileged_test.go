@@ -173,6 +173,7 @@ func TestPrivilegedProbeKernelFeatures(t *testing.T) {
 		{FeatureCrossNode, true, "tcx", kernelTCX},
 		{FeatureClientRead, true, "sock_recv_length", kernelRecvTP},
 		{FeatureRedirectLoad, true, "", ""},
+		{FeatureFIONREAD, true, "msg_tot_len", "6.12.75"},
 	} {
 		f, ok := got[want.name]
 		if !ok {
