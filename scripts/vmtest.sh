@@ -63,6 +63,7 @@ scripts/install-deps.sh --vm
 step "virtme-ng in $cache/venv"
 mkdir -p "$cache"
 if ! "$cache/venv/bin/vng" --version >/dev/null 2>&1; then
+	rm -rf "$cache/venv" # absent, or broken (a venv does not survive a move)
 	"$(command -v /usr/bin/python3 || command -v python3)" -m venv "$cache/venv"
 	"$cache/venv/bin/pip" install -q 'virtme-ng==1.42'
 fi
