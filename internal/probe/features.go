@@ -388,9 +388,6 @@ func attachCgroupLink(root string) (where string, err error) {
 	return where, l.Close()
 }
 
-// sockmapLink attaches an sk_msg program to an empty SOCKHASH with
-// BPF_LINK_CREATE (Linux 6.10). Required: the agent pins the sk_msg link so a
-// restarted agent can replace the program atomically.
 // spliceLimitation names what no kernel meshwarp runs on can do yet: splice(2)
 // from a socket reads only its TCP queue (tcp_splice_read), never the queue
 // that redirected bytes wait in. Upstream patches adding splice_read to
@@ -422,7 +419,9 @@ func (p *prober) receiveLimitation() {
 		Fix: "exclude the ports of programs that rely on these up front: --exclude-ports"})
 }
 
-// sockmapLink is optional: without it (Linux < 6.10) the agent attaches
+// sockmapLink attaches an sk_msg program to an empty SOCKHASH with
+// BPF_LINK_CREATE (Linux 6.10): the agent pins the link so a restarted agent
+// can replace the program atomically. Optional: without it (Linux < 6.10) the agent attaches
 // sk_msg with BPF_PROG_ATTACH to the pinned SOCKHASH, and `meshwarp tap` is
 // off (see KernelFeatures).
 func (p *prober) sockmapLink() {
