@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Installs the Debian packages meshwarp builds, tests and benchmarks with.
 # Idempotent: installs only what is missing, and runs apt-get update only then.
-# Usage: scripts/install-deps.sh [--test]   (--test adds what only the tests need)
+# Usage: scripts/install-deps.sh [--test | --vm]   (--test adds what only the tests need;
+#        --vm only what scripts/vmtest.sh boots its kernels with)
 set -euo pipefail
 
 pkgs=(clang llvm libbpf-dev bpftool iproute2 iptables procps haproxy qperf redis-server redis-tools)
-if [[ "${1:-}" == "--test" ]]; then
-	pkgs+=(chromium podman runc tshark tmux)
-fi
+case "${1:-}" in
+--test) pkgs+=(chromium podman runc tshark tmux) ;;
+--vm) pkgs=(qemu-system-x86 udev kmod busybox-static python3-venv) ;;
+esac
 
 missing=()
 for p in "${pkgs[@]}"; do
@@ -23,5 +25,5 @@ if [[ $EUID -ne 0 ]]; then
 fi
 echo "install-deps: installing ${missing[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+apt-get -o DPkg::Lock::Timeout=600 update -qq
+apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -37,3 +37,20 @@ fi
 # a time so they never share the 2 cores' worth of timing or names.
 step "tests"
 go test -p 1 -count=1 -timeout 40m ./... 2>&1 | tee /tmp/meshwarp-test.log
+
+# The kernel matrix: the data path's privileged tests and `meshwarp probe` in
+# VMs on the 6.1 and 6.12 LTS kernels (software emulation, about 15 minutes;
+# scripts/vmtest.sh prints the time per kernel). MESHWARP_VM=0 skips it for a
+# quick local run; CI never sets it.
+step "kernel matrix (VMs: 6.1, 6.12)"
+if [[ "${MESHWARP_VM:-1}" == 0 ]]; then
+	echo "note: MESHWARP_VM=0: kernel matrix skipped" >&2
+elif [[ $EUID -ne 0 ]]; then
+	if [[ -n "${MESHWARP_REQUIRE_PRIVILEGED:-}" ]]; then
+		echo "kernel matrix needs root (apt, bpf in the guest) and MESHWARP_REQUIRE_PRIVILEGED is set" >&2
+		exit 1
+	fi
+	echo "note: not root: kernel matrix skipped" >&2
+else
+	scripts/vmtest.sh
+fi

@@ -130,12 +130,38 @@ static __always_inline struct sk_psock *psock_of(struct sock *sk)
 	return (struct sk_psock *)user_data;
 }
 
-/* Redirected bytes waiting unread in sk's psock (0 without one). */
+/* Kernels without msg_tot_len: how many queued messages redirect_backlog adds up. */
+#define MW_BACKLOG_WALK 64
+/* ... and what it reports when more are queued: over any sensible budget. */
+#define MW_BACKLOG_MANY (1U << 30)
+
+/*
+ * Redirected bytes waiting unread in sk's psock (0 without one). Kernels
+ * without msg_tot_len (before commit 929e30f93125: 6.1, 6.6 < 6.6.128,
+ * 6.12 < 6.12.75) get the sum of the first MW_BACKLOG_WALK messages of the
+ * ingress_msg list (tcp_bpf's recvmsg lowers a message's sg.size as it is
+ * read and unlinks it at its last byte), MW_BACKLOG_MANY beyond them. 0 is
+ * exact there too: only an empty list gives it.
+ */
 static __always_inline __u32 redirect_backlog(struct sock *sk)
 {
 	struct sk_psock *psock = psock_of(sk);
+	__u64 head, pos;
+	__u32 sum = 0;
 
-	return psock ? BPF_CORE_READ(psock, msg_tot_len) : 0;
+	if (!psock)
+		return 0;
+	if (bpf_core_field_exists(psock->msg_tot_len))
+		return BPF_CORE_READ(psock, msg_tot_len);
+	head = (__u64)psock + bpf_core_field_offset(struct sk_psock, ingress_msg);
+	pos = (__u64)BPF_CORE_READ(psock, ingress_msg.next);
+	for (int i = 0; i < MW_BACKLOG_WALK; i++) {
+		if (pos == head || !pos)
+			return sum ? sum : (pos == head && i == 0 ? 0 : 1);
+		sum += BPF_CORE_READ((struct sk_msg *)(pos - bpf_core_field_offset(struct sk_msg, list)), sg.size);
+		pos = (__u64)BPF_CORE_READ((struct list_head *)pos, next);
+	}
+	return MW_BACKLOG_MANY;
 }
 
 static __always_inline __u32 peer_backlog(__u64 peer_sk)

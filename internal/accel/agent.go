@@ -27,6 +27,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/meshwarp/meshwarp/internal/crossnode"
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
 // Agent is an attached acceleration data path.
@@ -54,6 +55,11 @@ type Agent struct {
 	closed bool
 	// Adopted is true when Start found pinned state from an earlier agent and took it over.
 	Adopted bool
+	// CrossNodeOff says why Config.CrossNode was not honoured (nil when it was,
+	// or was not asked for): this kernel lacks what it needs.
+	CrossNodeOff error
+	// readsOff says why the client read observation cannot attach here.
+	readsOff error
 }
 
 // Start loads the programs, adopts pinned maps and links from an earlier
@@ -133,6 +139,13 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	if err := setConstants(append(dataPathConstants(&specs.accelVariableSpecs, cfg), obs...)...); err != nil {
 		return nil, err
 	}
+	if rerr := probe.HaveRecvTracepoint(); rerr != nil {
+		// tp_btf programs load only with their target (sock:sock_recv_length,
+		// Linux 6.3): a stand-in keeps the object loadable, and the client
+		// read time is off (probe.FeatureClientRead).
+		a.readsOff = rerr
+		spec.Programs[accelProgMwObsRecv] = standInProgram(accelProgMwObsRecv)
+	}
 	// Everything but the tap, which `meshwarp tap` loads while it runs (LoadTap).
 	opts := &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinDir}}
 	if err := loadObjects(spec, &a.objs, opts, func(name string) bool { return !slices.Contains(tapOnly, name) }); err != nil {
@@ -147,18 +160,35 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	}
 
 	// sk_msg first: a socket that sock_ops puts in the hash must find its program.
-	a.skmsg, err = attachOrUpdate(filepath.Join(cfg.PinDir, SkmsgLinkPin), a.objs.MwSkmsg, func() (link.Link, error) {
-		return link.AttachRawLink(link.RawLinkOptions{
+	if lerr := probe.HaveSockmapLink(); lerr != nil {
+		// Linux < 6.10 has no sockmap links: the program is attached to the
+		// map itself (BPF_PROG_ATTACH), which is pinned, so the attachment
+		// survives this process like a pinned link would. A restarted agent
+		// attaches its program again: the kernel swaps the map's program
+		// (sock_map_prog_update), as BPF_LINK_UPDATE does. Sockets already
+		// in the map keep the program they joined with either way.
+		logger.Debug("sk_msg attached without a link", "reason", lerr)
+		if err := link.RawAttachProgram(link.RawAttachProgramOptions{
 			Target:  a.objs.MwSockHash.FD(),
 			Program: a.objs.MwSkmsg,
 			Attach:  ebpf.AttachSkMsgVerdict,
-		})
-	}, nil)
-	if err != nil {
-		return nil, fmt.Errorf("attach sk_msg to mw_sock_hash: %w", err)
+		}); err != nil {
+			return nil, fmt.Errorf("attach sk_msg to mw_sock_hash (BPF_PROG_ATTACH): %w", err)
+		}
+	} else {
+		a.skmsg, err = attachOrUpdate(filepath.Join(cfg.PinDir, SkmsgLinkPin), a.objs.MwSkmsg, func() (link.Link, error) {
+			return link.AttachRawLink(link.RawLinkOptions{
+				Target:  a.objs.MwSockHash.FD(),
+				Program: a.objs.MwSkmsg,
+				Attach:  ebpf.AttachSkMsgVerdict,
+			})
+		}, nil)
+		if err != nil {
+			return nil, fmt.Errorf("attach sk_msg to mw_sock_hash: %w", err)
+		}
+		skmsg := a.skmsg
+		undo = append(undo, func() { skmsg.Close() })
 	}
-	skmsg := a.skmsg
-	undo = append(undo, func() { skmsg.Close() })
 
 	a.sockops, err = attachOrUpdate(filepath.Join(cfg.PinDir, SockopsLinkPin), a.objs.MwSockops, func() (link.Link, error) {
 		return link.AttachCgroup(link.CgroupOptions{
@@ -216,7 +246,14 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 
 	// Last: nothing after it can fail, so a failed start never undoes an
 	// earlier agent's cross-node links.
-	if cfg.CrossNode {
+	xnOff := probe.HaveTCX()
+	if cfg.CrossNode && xnOff != nil {
+		// Cross-node forwarding is an optimisation of packets that the normal
+		// path carries correctly: off, with the reason in probe and status.
+		logger.Warn("cross-node forwarding off: this kernel has no tcx links (Linux 6.6); pod traffic between nodes takes the normal path", "err", xnOff)
+		a.CrossNodeOff = xnOff
+	}
+	if cfg.CrossNode && xnOff == nil {
 		a.xn, err = crossnode.Start(crossnode.Config{PinDir: cfg.PinDir, Nodes: cfg.CrossNodes, Interval: cfg.CrossNodeInterval}, logger)
 		if errors.Is(err, crossnode.ErrBadConfig) {
 			return nil, fmt.Errorf("%w: %w", ErrBadConfig, err)

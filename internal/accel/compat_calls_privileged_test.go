@@ -50,7 +50,7 @@ func epollRow(edge bool) func(t *testing.T, w, r net.Conn, _ bool) {
 
 var callRows = []compatRow{
 	{
-		name: "recv size",
+		name: "recv size", readsFIONREAD: true,
 		// 200 writes of 50 B wait; one recv(64 KB) returns all of them.
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			want := writeChunks(t, w, 200, 50)
@@ -63,7 +63,7 @@ var callRows = []compatRow{
 		},
 	},
 	{
-		name: "MSG_PEEK",
+		name: "MSG_PEEK", readsFIONREAD: true,
 		// A reader that peeks until a whole frame is visible.
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			want := writeChunks(t, w, 200, 50)
@@ -81,7 +81,7 @@ var callRows = []compatRow{
 		},
 	},
 	{
-		name: "FIONREAD",
+		name: "FIONREAD", readsFIONREAD: true,
 		// A reader that reads exactly what FIONREAD reports (Java's available()).
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			want := writeChunks(t, w, 30, 333)
@@ -114,7 +114,7 @@ var callRows = []compatRow{
 		},
 	},
 	{
-		name: "SIOCOUTQ",
+		name: "SIOCOUTQ", readsFIONREAD: true,
 		// A writer that waits for its send queue to empty before closing.
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			writeChunks(t, w, 10, 100)
@@ -197,8 +197,8 @@ var callRows = []compatRow{
 			"with `run --learn-from-syscalls` later connections on its ports stay on TCP",
 	},
 	{
-		name: "SO_OOBINLINE", reason: "oob",
-		set: setInt(unix.SOL_SOCKET, unix.SO_OOBINLINE, 1),
+		name: "SO_OOBINLINE", readsFIONREAD: true, reason: "oob",
+		level: unix.SOL_SOCKET, opt: unix.SO_OOBINLINE, val: 1,
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			mustWrite(t, w, []byte("abc"))
 			onFD(t, w, func(fd int) {
@@ -223,7 +223,7 @@ var callRows = []compatRow{
 		},
 	},
 	{
-		name: "SO_LINGER 0",
+		name: "SO_LINGER 0", readsFIONREAD: true,
 		// close() with SO_LINGER 0 resets the connection: the peer reads ECONNRESET.
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			mustWrite(t, w, []byte("abc"))
@@ -237,7 +237,7 @@ var callRows = []compatRow{
 		},
 	},
 	{
-		name: "close with unread bytes",
+		name: "close with unread bytes", readsFIONREAD: true,
 		// A reader that closes with bytes unread resets the connection: the writer reads ECONNRESET.
 		check: func(t *testing.T, w, r net.Conn, limited bool) {
 			mustWrite(t, w, []byte("unread"))
@@ -345,7 +345,7 @@ var callRows = []compatRow{
 		},
 	},
 	{
-		name: "splice",
+		name: "splice", readsFIONREAD: true,
 		// splice(2) from the socket into a pipe (Go's io.Copy between sockets does this).
 		check: func(t *testing.T, w, r net.Conn, limited bool) {
 			want := writeChunks(t, w, 20, 500)

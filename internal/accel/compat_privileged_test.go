@@ -50,8 +50,8 @@ type compatRow struct {
 	reason string
 	// onClient: the option belongs on the writing (connecting) side, else on the reader (accepted side).
 	onClient bool
-	// set applies the row's socket option; nil for rows that only use calls.
-	set func(t *testing.T, fd int)
+	// level, opt, val: the setsockopt(2) an option row is about (opt 0: a row of calls).
+	level, opt, val int
 	// check asserts plain TCP behaviour: w writes, r reads. With limited it
 	// asserts what the application sees instead on a kernel-limited moment.
 	check func(t *testing.T, w, r net.Conn, limited bool)
@@ -62,6 +62,9 @@ type compatRow struct {
 	limit     string
 	// repeat runs the row on that many connections (races).
 	repeat int
+	// readsFIONREAD: the check waits on FIONREAD, which counts redirected
+	// bytes only where tcp_bpf has its ioctl (probe.FeatureFIONREAD).
+	readsFIONREAD bool
 }
 
 func setInt(level, opt, v int) func(t *testing.T, fd int) {
@@ -71,6 +74,21 @@ func setInt(level, opt, v int) func(t *testing.T, fd int) {
 			t.Fatalf("setsockopt(%d, %d, %d): %v", level, opt, v, err)
 		}
 	}
+}
+
+func (row compatRow) hasOption() bool { return row.opt != 0 }
+
+func (row compatRow) set(t *testing.T, fd int) { setInt(row.level, row.opt, row.val)(t, fd) }
+
+// kernelRefuses is the error this kernel gives row's option on a TCP socket
+// (nil when it has it): Linux 6.1 has no SO_PEEK_OFF for TCP (EOPNOTSUPP).
+func (row compatRow) kernelRefuses(t *testing.T) error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	return unix.SetsockoptInt(fd, row.level, row.opt, row.val)
 }
 
 // waitReadable polls r until poll() reports it readable; false after 5 s.
@@ -124,7 +142,7 @@ func mustWrite(t *testing.T, c net.Conn, b []byte) {
 var compatRows = []compatRow{
 	{
 		name: "SO_PEEK_OFF", reason: "peek_off",
-		set: setInt(unix.SOL_SOCKET, unix.SO_PEEK_OFF, 0),
+		level: unix.SOL_SOCKET, opt: unix.SO_PEEK_OFF, val: 0,
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			mustWrite(t, w, []byte("abcdef"))
 			if !waitReadable(t, r, 5*time.Second) {
@@ -151,7 +169,7 @@ var compatRows = []compatRow{
 	},
 	{
 		name: "TCP_INQ", reason: "tcp_inq",
-		set: setInt(unix.IPPROTO_TCP, unix.TCP_INQ, 1),
+		level: unix.IPPROTO_TCP, opt: unix.TCP_INQ, val: 1,
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			mustWrite(t, w, bytes.Repeat([]byte{'i'}, 100))
 			_, msgs := recvmsgCmsgs(t, r, 100)
@@ -162,7 +180,7 @@ var compatRows = []compatRow{
 	},
 	{
 		name: "SO_TIMESTAMPNS", reason: "timestamp",
-		set: setInt(unix.SOL_SOCKET, unix.SO_TIMESTAMPNS, 1),
+		level: unix.SOL_SOCKET, opt: unix.SO_TIMESTAMPNS, val: 1,
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			// The kernel turns receive timestamping on with a deferred
 			// static key: the first segments may have none, later ones do.
@@ -179,7 +197,7 @@ var compatRows = []compatRow{
 	},
 	{
 		name: "SO_RCVLOWAT", reason: "rcvlowat",
-		set: setInt(unix.SOL_SOCKET, unix.SO_RCVLOWAT, 3000),
+		level: unix.SOL_SOCKET, opt: unix.SO_RCVLOWAT, val: 3000,
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			mustWrite(t, w, bytes.Repeat([]byte{'l'}, 1000))
 			// TCP reports readable only at the mark; give the bytes time to arrive.
@@ -194,7 +212,7 @@ var compatRows = []compatRow{
 	},
 	{
 		name: "MSG_ZEROCOPY", reason: "zerocopy", onClient: true,
-		set: setInt(unix.SOL_SOCKET, unix.SO_ZEROCOPY, 1),
+		level: unix.SOL_SOCKET, opt: unix.SO_ZEROCOPY, val: 1,
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			payload := bytes.Repeat([]byte{'z'}, 8192)
 			onFD(t, w, func(fd int) {

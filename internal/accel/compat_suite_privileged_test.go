@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/meshwarp/meshwarp/internal/probe"
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
@@ -165,7 +166,7 @@ func allCompatRows() []compatRow { return slices.Concat(compatRows, callRows) }
 // moments returns the moments a row runs at: option rows also at
 // "accepted" (option set before any byte).
 func (row compatRow) moments() []compatMoment {
-	if row.set != nil {
+	if row.hasOption() {
 		return compatMoments
 	}
 	return slices.DeleteFunc(slices.Clone(compatMoments), func(m compatMoment) bool { return m == momentAccepted })
@@ -238,14 +239,14 @@ func compatConn(t *testing.T, a *Agent, row compatRow, m compatMoment) (w, r net
 	ln := mustListen(t, "127.0.0.1:0")
 	t.Cleanup(func() { ln.Close() })
 	d := net.Dialer{}
-	if m == momentFirst && row.set != nil {
+	if m == momentFirst && row.hasOption() {
 		d.Control = func(_, _ string, rc syscall.RawConn) error {
 			return rc.Control(func(fd uintptr) { row.set(t, int(fd)) })
 		}
 	}
 	dial := func() (net.Conn, error) { return d.Dial("tcp", ln.Addr().String()) }
 	var client, server net.Conn
-	if m == momentFirst && row.set != nil || m == momentAccepted {
+	if m == momentFirst && row.hasOption() || m == momentAccepted {
 		client, server = acceptedPair(t, ln, dial)
 	} else {
 		client, server = pairedConn(t, a, ln, dial)
@@ -271,14 +272,14 @@ func compatConn(t *testing.T, a *Agent, row compatRow, m compatMoment) (w, r net
 		}
 	}
 	w, r = client, server
-	if m == momentFirst && row.set != nil {
+	if m == momentFirst && row.hasOption() {
 		// The option is on the client: it writes (onClient) or reads.
 		if !row.onClient {
 			w, r = r, w
 		}
 		return w, r
 	}
-	if row.set != nil {
+	if row.hasOption() {
 		target := r
 		if row.onClient {
 			target = w
@@ -290,14 +291,28 @@ func compatConn(t *testing.T, a *Agent, row compatRow, m compatMoment) (w, r net
 
 func TestPrivilegedCompat(t *testing.T) {
 	testutil.RequirePrivileged(t)
+	fionreadOff := probe.HaveMsgTotLen()
 	forEachAgent(t, func(t *testing.T, a *Agent) {
 		for _, row := range allCompatRows() {
+			if a != nil && row.readsFIONREAD && fionreadOff != nil {
+				// A limitation `meshwarp probe` names on this kernel (6.1).
+				t.Logf("%s: left out with the agent here: %s is off (%v)", row.name, probe.FeatureFIONREAD, fionreadOff)
+				continue
+			}
 			for _, m := range row.moments() {
 				t.Run(fmt.Sprintf("%s/%s", row.name, m), func(t *testing.T) {
 					for range max(row.repeat, 1) {
 						var before Stats
 						if a != nil {
 							before = stats(t, a)
+						}
+						if row.hasOption() {
+							if refused := row.kernelRefuses(t); refused != nil {
+								// Nothing for the redirect to ignore: the application
+								// must get the kernel's own refusal, and a working stream.
+								compatRefused(t, a, row, m, refused)
+								return
+							}
 						}
 						w, r := compatConn(t, a, row, m)
 						row.check(t, w, r, a != nil && row.limitedAtMoment(m))
@@ -334,4 +349,34 @@ func readOOB(t *testing.T, r net.Conn) (urgent, data string) {
 		t.Fatalf("read: %v", err)
 	}
 	return urgent, string(got)
+}
+
+// compatRefused: on a kernel without row's option, setting it at moment m
+// gives the same error with the agent as without, and the stream stays intact.
+func compatRefused(t *testing.T, a *Agent, row compatRow, m compatMoment, want error) {
+	t.Helper()
+	ln := mustListen(t, "127.0.0.1:0")
+	t.Cleanup(func() { ln.Close() })
+	dial := func() (net.Conn, error) { return net.Dial("tcp", ln.Addr().String()) }
+	var w, r net.Conn
+	if m == momentFirst || m == momentAccepted {
+		w, r = acceptedPair(t, ln, dial)
+	} else {
+		w, r = pairedConn(t, a, ln, dial)
+	}
+	target := r
+	if row.onClient || m == momentFirst {
+		target = w
+	}
+	onFD(t, target, func(fd int) {
+		if err := unix.SetsockoptInt(fd, row.level, row.opt, row.val); !errors.Is(err, want) {
+			t.Errorf("setsockopt %s on a connected socket: %v; the kernel says %v on a plain one", row.name, err, want)
+		}
+	})
+	for _, dir := range [][2]net.Conn{{w, r}, {r, w}} {
+		mustWrite(t, dir[0], []byte("ping"))
+		if _, err := io.ReadFull(dir[1], make([]byte, 4)); err != nil {
+			t.Fatalf("read after a refused %s: %v", row.name, err)
+		}
+	}
 }

@@ -8,6 +8,7 @@ import (
 	"sync"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 )
 
 // The Go side of the accel object (bpf/accel/accel.bpf.c) goes through the
@@ -78,4 +79,16 @@ func setConstants(cs ...constant) error {
 		}
 	}
 	return nil
+}
+
+// standInProgram is a program every kernel loads, put in place of one whose
+// attach target this kernel lacks so that the rest of the object loads; it
+// is never attached.
+func standInProgram(name string) *ebpf.ProgramSpec {
+	return &ebpf.ProgramSpec{
+		Name:         name,
+		Type:         ebpf.SocketFilter,
+		License:      "Dual BSD/GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 0), asm.Return()},
+	}
 }

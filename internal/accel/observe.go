@@ -11,6 +11,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
 // attachObservation attaches (or adopts) the observation's programs when
@@ -40,6 +41,10 @@ func (a *Agent) attachObservation() error {
 			if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
 				return fmt.Errorf("detach observation (%s): %w", pin, err)
 			}
+			continue
+		}
+		if p.pin == ObsRecvLinkPin && a.readsOff != nil {
+			a.logger.Warn("observation without the client read time: no tracepoint sock:sock_recv_length here (Linux 6.3)", "err", a.readsOff)
 			continue
 		}
 		if p.pin == ObsRecvLinkPin {
@@ -104,6 +109,9 @@ func boolU32(b bool) uint32 {
 func TraceReads(pinDir string) (io.Closer, error) {
 	if pinDir == "" {
 		pinDir = DefaultPinDir
+	}
+	if err := probe.HaveRecvTracepoint(); err != nil {
+		return nil, fmt.Errorf("off on this kernel (%s needs tracepoint sock:sock_recv_length, Linux 6.3): %w", probe.FeatureClientRead, err)
 	}
 	spec, err := loadAccel()
 	if err != nil {

@@ -23,6 +23,7 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/netns"
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
 // Options say what to tap and where to write.
@@ -56,6 +57,8 @@ var (
 	ErrBadOptions = errors.New("bad tap options")
 	// ErrBusy: another tap holds the agent's link; nothing was attached.
 	ErrBusy = errors.New("another tap is running")
+	// ErrUnsupported: this kernel cannot tap (probe.FeatureTap is off).
+	ErrUnsupported = errors.New("not supported by this kernel")
 )
 
 // Run taps until ctx ends, Count messages were seen or Duration passed.
@@ -73,6 +76,12 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 		return res, fmt.Errorf("%w: --count and --duration must not be negative", ErrBadOptions)
 	}
 	linkPin := filepath.Join(o.PinDir, accel.SkmsgLinkPin)
+	if lerr := probe.HaveSockmapLink(); lerr != nil {
+		// The agent attached its sk_msg program to the map itself; the tap
+		// could only replace it there without a way to hand it back atomically.
+		return res, fmt.Errorf("%w: %s is off on this kernel: it swaps its program into the agent's sk_msg link, "+
+			"and sockmap links came in Linux 6.10 (%v)", ErrUnsupported, probe.FeatureTap, lerr)
+	}
 	if _, err := os.Stat(linkPin); err != nil {
 		return res, fmt.Errorf("%w at %s (%v): start `meshwarp run`, or pass its --pin-dir", ErrNoAgent, o.PinDir, err)
 	}
