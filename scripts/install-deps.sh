@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Installs the Debian packages meshwarp builds, tests and benchmarks with.
 # Idempotent: installs only what is missing, and runs apt-get update only then.
-# Usage: scripts/install-deps.sh [--test]   (--test adds what only the tests need)
+# Usage: scripts/install-deps.sh [--test | --vm]   (--test adds what only the tests need;
+#        --vm only what scripts/vmtest.sh boots its kernels with)
 set -euo pipefail
 
-pkgs=(clang llvm libbpf-dev bpftool iproute2 iptables procps haproxy qperf)
-if [[ "${1:-}" == "--test" ]]; then
-	pkgs+=(chromium podman runc tshark tmux)
-	# The one-node Kubernetes cluster of scripts/cluster.sh (test/cluster):
-	# the node's runtime, CNI plugins and etcd; gcc and libc6-dev build the
-	# static pause binary; nftables lists and removes kube-proxy's tables.
-	pkgs+=(containerd containernetworking-plugins etcd-server nftables openssl gcc libc6-dev)
-fi
+pkgs=(clang llvm libbpf-dev bpftool iproute2 iptables procps haproxy qperf redis-server redis-tools)
+case "${1:-}" in
+# The one-node Kubernetes cluster of scripts/cluster.sh (test/cluster) adds
+# the node's runtime, CNI plugins and etcd; gcc and libc6-dev build the static
+# pause binary; nftables lists and removes kube-proxy's tables.
+--test) pkgs+=(chromium podman runc tshark tmux
+	containerd containernetworking-plugins etcd-server nftables openssl gcc libc6-dev) ;;
+--vm) pkgs=(qemu-system-x86 udev kmod busybox-static python3-venv) ;;
+esac
 
 missing=()
 for p in "${pkgs[@]}"; do
@@ -27,5 +29,5 @@ if [[ $EUID -ne 0 ]]; then
 fi
 echo "install-deps: installing ${missing[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+apt-get -o DPkg::Lock::Timeout=600 update -qq
+apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

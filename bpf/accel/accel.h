@@ -330,6 +330,7 @@ struct mw_sk_state {
 	__u64 run_bytes; /* bytes of this socket's messages since its peer last sent */
 	__u32 run_msgs;  /* and their count */
 	__u32 left;      /* left mw_sock_hash after its connection went to TCP (plain TCP since) */
+	__u64 redir_ns;  /* coarse clock at its last redirect (fin_order.h) */
 };
 
 /* Counters, one copy per CPU (summed by Go). Cumulative. */

@@ -240,6 +240,7 @@ type accelMwSkState struct {
 	RunBytes uint64
 	RunMsgs  uint32
 	Left     uint32
+	RedirNs  uint64
 }
 
 type accelMwSockKey struct {
@@ -256,6 +257,33 @@ type accelMwSrcAddr struct {
 	RemappedNs uint64
 	InFlight   uint32
 	Remapped   uint32
+}
+
+type accelMwTapBuf struct {
+	_    structs.HostLayout
+	Rec  accelMwTapRec
+	Data [65536]uint8
+}
+
+type accelMwTapRec struct {
+	_          structs.HostLayout
+	TsNs       uint64
+	Offset     uint64
+	SenderIsn1 uint32
+	PeerIsn1   uint32
+	Size       uint32
+	Caplen     uint32
+	Hop        uint32
+	FromActive uint32
+	Src        accelMwEndpoint
+	Dst        accelMwEndpoint
+}
+
+type accelMwTapStats struct {
+	_        structs.HostLayout
+	Records  uint64
+	RingFull uint64
+	Cut      uint64
 }
 
 type accelMwTcpOutcome uint32
@@ -297,12 +325,16 @@ const (
 	accelMapMwSockHash             = "mw_sock_hash"
 	accelMapMwSrcAddr              = "mw_src_addr"
 	accelMapMwStats                = "mw_stats"
+	accelMapMwTapCounters          = "mw_tap_counters"
+	accelMapMwTapRing              = "mw_tap_ring"
+	accelMapMwTapScratch           = "mw_tap_scratch"
 	accelMapMwUnfitLport           = "mw_unfit_lport"
 	accelMapMwUnfitProcs           = "mw_unfit_procs"
 	accelMapMwUnfitRport           = "mw_unfit_rport"
 	accelMapMwUnhinted             = "mw_unhinted"
 	accelProgMwCloseWatch          = "mw_close_watch"
 	accelProgMwConnectWatch        = "mw_connect_watch"
+	accelProgMwFinOrder            = "mw_fin_order"
 	accelProgMwObsEgress           = "mw_obs_egress"
 	accelProgMwObsIngress          = "mw_obs_ingress"
 	accelProgMwObsRecv             = "mw_obs_recv"
@@ -314,6 +346,7 @@ const (
 	accelProgMwSendtoWatch         = "mw_sendto_watch"
 	accelProgMwSetsockopt          = "mw_setsockopt"
 	accelProgMwSkmsg               = "mw_skmsg"
+	accelProgMwSkmsgTap            = "mw_skmsg_tap"
 	accelProgMwSockops             = "mw_sockops"
 	accelProgMwSpliceWatch         = "mw_splice_watch"
 	accelVarAccelerate             = "accelerate"
@@ -326,6 +359,9 @@ const (
 	accelVarStreamRunMsgs          = "stream_run_msgs"
 	accelVarStreamSmallBytesLocal  = "stream_small_bytes_local"
 	accelVarStreamSmallBytesRemote = "stream_small_bytes_remote"
+	accelVarTapNetns               = "tap_netns"
+	accelVarTapPort                = "tap_port"
+	accelVarTapSnaplen             = "tap_snaplen"
 	accelVarUnpairedTimeoutNs      = "unpaired_timeout_ns"
 )
 
@@ -373,6 +409,7 @@ type accelSpecs struct {
 type accelProgramSpecs struct {
 	MwCloseWatch    *ebpf.ProgramSpec `ebpf:"mw_close_watch"`
 	MwConnectWatch  *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
+	MwFinOrder      *ebpf.ProgramSpec `ebpf:"mw_fin_order"`
 	MwObsEgress     *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
 	MwObsIngress    *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
 	MwObsRecv       *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
@@ -384,6 +421,7 @@ type accelProgramSpecs struct {
 	MwSendtoWatch   *ebpf.ProgramSpec `ebpf:"mw_sendto_watch"`
 	MwSetsockopt    *ebpf.ProgramSpec `ebpf:"mw_setsockopt"`
 	MwSkmsg         *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
+	MwSkmsgTap      *ebpf.ProgramSpec `ebpf:"mw_skmsg_tap"`
 	MwSockops       *ebpf.ProgramSpec `ebpf:"mw_sockops"`
 	MwSpliceWatch   *ebpf.ProgramSpec `ebpf:"mw_splice_watch"`
 }
@@ -392,23 +430,26 @@ type accelProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelMapSpecs struct {
-	MwCgroup     *ebpf.MapSpec `ebpf:"mw_cgroup"`
-	MwCidrExcl   *ebpf.MapSpec `ebpf:"mw_cidr_excl"`
-	MwCidrIncl   *ebpf.MapSpec `ebpf:"mw_cidr_incl"`
-	MwConnecting *ebpf.MapSpec `ebpf:"mw_connecting"`
-	MwConns      *ebpf.MapSpec `ebpf:"mw_conns"`
-	MwFlows      *ebpf.MapSpec `ebpf:"mw_flows"`
-	MwObsStore   *ebpf.MapSpec `ebpf:"mw_obs_store"`
-	MwPolicy     *ebpf.MapSpec `ebpf:"mw_policy"`
-	MwPortPolicy *ebpf.MapSpec `ebpf:"mw_port_policy"`
-	MwSkStore    *ebpf.MapSpec `ebpf:"mw_sk_store"`
-	MwSockHash   *ebpf.MapSpec `ebpf:"mw_sock_hash"`
-	MwSrcAddr    *ebpf.MapSpec `ebpf:"mw_src_addr"`
-	MwStats      *ebpf.MapSpec `ebpf:"mw_stats"`
-	MwUnfitLport *ebpf.MapSpec `ebpf:"mw_unfit_lport"`
-	MwUnfitProcs *ebpf.MapSpec `ebpf:"mw_unfit_procs"`
-	MwUnfitRport *ebpf.MapSpec `ebpf:"mw_unfit_rport"`
-	MwUnhinted   *ebpf.MapSpec `ebpf:"mw_unhinted"`
+	MwCgroup      *ebpf.MapSpec `ebpf:"mw_cgroup"`
+	MwCidrExcl    *ebpf.MapSpec `ebpf:"mw_cidr_excl"`
+	MwCidrIncl    *ebpf.MapSpec `ebpf:"mw_cidr_incl"`
+	MwConnecting  *ebpf.MapSpec `ebpf:"mw_connecting"`
+	MwConns       *ebpf.MapSpec `ebpf:"mw_conns"`
+	MwFlows       *ebpf.MapSpec `ebpf:"mw_flows"`
+	MwObsStore    *ebpf.MapSpec `ebpf:"mw_obs_store"`
+	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
+	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
+	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
+	MwSockHash    *ebpf.MapSpec `ebpf:"mw_sock_hash"`
+	MwSrcAddr     *ebpf.MapSpec `ebpf:"mw_src_addr"`
+	MwStats       *ebpf.MapSpec `ebpf:"mw_stats"`
+	MwTapCounters *ebpf.MapSpec `ebpf:"mw_tap_counters"`
+	MwTapRing     *ebpf.MapSpec `ebpf:"mw_tap_ring"`
+	MwTapScratch  *ebpf.MapSpec `ebpf:"mw_tap_scratch"`
+	MwUnfitLport  *ebpf.MapSpec `ebpf:"mw_unfit_lport"`
+	MwUnfitProcs  *ebpf.MapSpec `ebpf:"mw_unfit_procs"`
+	MwUnfitRport  *ebpf.MapSpec `ebpf:"mw_unfit_rport"`
+	MwUnhinted    *ebpf.MapSpec `ebpf:"mw_unhinted"`
 }
 
 // accelVariableSpecs contains global variables before they are loaded into the kernel.
@@ -425,6 +466,9 @@ type accelVariableSpecs struct {
 	StreamRunMsgs          *ebpf.VariableSpec `ebpf:"stream_run_msgs"`
 	StreamSmallBytesLocal  *ebpf.VariableSpec `ebpf:"stream_small_bytes_local"`
 	StreamSmallBytesRemote *ebpf.VariableSpec `ebpf:"stream_small_bytes_remote"`
+	TapNetns               *ebpf.VariableSpec `ebpf:"tap_netns"`
+	TapPort                *ebpf.VariableSpec `ebpf:"tap_port"`
+	TapSnaplen             *ebpf.VariableSpec `ebpf:"tap_snaplen"`
 	UnpairedTimeoutNs      *ebpf.VariableSpec `ebpf:"unpaired_timeout_ns"`
 }
 
@@ -448,23 +492,26 @@ func (o *accelObjects) Close() error {
 //
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelMaps struct {
-	MwCgroup     *ebpf.Map `ebpf:"mw_cgroup"`
-	MwCidrExcl   *ebpf.Map `ebpf:"mw_cidr_excl"`
-	MwCidrIncl   *ebpf.Map `ebpf:"mw_cidr_incl"`
-	MwConnecting *ebpf.Map `ebpf:"mw_connecting"`
-	MwConns      *ebpf.Map `ebpf:"mw_conns"`
-	MwFlows      *ebpf.Map `ebpf:"mw_flows"`
-	MwObsStore   *ebpf.Map `ebpf:"mw_obs_store"`
-	MwPolicy     *ebpf.Map `ebpf:"mw_policy"`
-	MwPortPolicy *ebpf.Map `ebpf:"mw_port_policy"`
-	MwSkStore    *ebpf.Map `ebpf:"mw_sk_store"`
-	MwSockHash   *ebpf.Map `ebpf:"mw_sock_hash"`
-	MwSrcAddr    *ebpf.Map `ebpf:"mw_src_addr"`
-	MwStats      *ebpf.Map `ebpf:"mw_stats"`
-	MwUnfitLport *ebpf.Map `ebpf:"mw_unfit_lport"`
-	MwUnfitProcs *ebpf.Map `ebpf:"mw_unfit_procs"`
-	MwUnfitRport *ebpf.Map `ebpf:"mw_unfit_rport"`
-	MwUnhinted   *ebpf.Map `ebpf:"mw_unhinted"`
+	MwCgroup      *ebpf.Map `ebpf:"mw_cgroup"`
+	MwCidrExcl    *ebpf.Map `ebpf:"mw_cidr_excl"`
+	MwCidrIncl    *ebpf.Map `ebpf:"mw_cidr_incl"`
+	MwConnecting  *ebpf.Map `ebpf:"mw_connecting"`
+	MwConns       *ebpf.Map `ebpf:"mw_conns"`
+	MwFlows       *ebpf.Map `ebpf:"mw_flows"`
+	MwObsStore    *ebpf.Map `ebpf:"mw_obs_store"`
+	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
+	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
+	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
+	MwSockHash    *ebpf.Map `ebpf:"mw_sock_hash"`
+	MwSrcAddr     *ebpf.Map `ebpf:"mw_src_addr"`
+	MwStats       *ebpf.Map `ebpf:"mw_stats"`
+	MwTapCounters *ebpf.Map `ebpf:"mw_tap_counters"`
+	MwTapRing     *ebpf.Map `ebpf:"mw_tap_ring"`
+	MwTapScratch  *ebpf.Map `ebpf:"mw_tap_scratch"`
+	MwUnfitLport  *ebpf.Map `ebpf:"mw_unfit_lport"`
+	MwUnfitProcs  *ebpf.Map `ebpf:"mw_unfit_procs"`
+	MwUnfitRport  *ebpf.Map `ebpf:"mw_unfit_rport"`
+	MwUnhinted    *ebpf.Map `ebpf:"mw_unhinted"`
 }
 
 func (m *accelMaps) Close() error {
@@ -482,6 +529,9 @@ func (m *accelMaps) Close() error {
 		m.MwSockHash,
 		m.MwSrcAddr,
 		m.MwStats,
+		m.MwTapCounters,
+		m.MwTapRing,
+		m.MwTapScratch,
 		m.MwUnfitLport,
 		m.MwUnfitProcs,
 		m.MwUnfitRport,
@@ -503,6 +553,9 @@ type accelVariables struct {
 	StreamRunMsgs          *ebpf.Variable `ebpf:"stream_run_msgs"`
 	StreamSmallBytesLocal  *ebpf.Variable `ebpf:"stream_small_bytes_local"`
 	StreamSmallBytesRemote *ebpf.Variable `ebpf:"stream_small_bytes_remote"`
+	TapNetns               *ebpf.Variable `ebpf:"tap_netns"`
+	TapPort                *ebpf.Variable `ebpf:"tap_port"`
+	TapSnaplen             *ebpf.Variable `ebpf:"tap_snaplen"`
 	UnpairedTimeoutNs      *ebpf.Variable `ebpf:"unpaired_timeout_ns"`
 }
 
@@ -512,6 +565,7 @@ type accelVariables struct {
 type accelPrograms struct {
 	MwCloseWatch    *ebpf.Program `ebpf:"mw_close_watch"`
 	MwConnectWatch  *ebpf.Program `ebpf:"mw_connect_watch"`
+	MwFinOrder      *ebpf.Program `ebpf:"mw_fin_order"`
 	MwObsEgress     *ebpf.Program `ebpf:"mw_obs_egress"`
 	MwObsIngress    *ebpf.Program `ebpf:"mw_obs_ingress"`
 	MwObsRecv       *ebpf.Program `ebpf:"mw_obs_recv"`
@@ -523,6 +577,7 @@ type accelPrograms struct {
 	MwSendtoWatch   *ebpf.Program `ebpf:"mw_sendto_watch"`
 	MwSetsockopt    *ebpf.Program `ebpf:"mw_setsockopt"`
 	MwSkmsg         *ebpf.Program `ebpf:"mw_skmsg"`
+	MwSkmsgTap      *ebpf.Program `ebpf:"mw_skmsg_tap"`
 	MwSockops       *ebpf.Program `ebpf:"mw_sockops"`
 	MwSpliceWatch   *ebpf.Program `ebpf:"mw_splice_watch"`
 }
@@ -531,6 +586,7 @@ func (p *accelPrograms) Close() error {
 	return _AccelClose(
 		p.MwCloseWatch,
 		p.MwConnectWatch,
+		p.MwFinOrder,
 		p.MwObsEgress,
 		p.MwObsIngress,
 		p.MwObsRecv,
@@ -542,6 +598,7 @@ func (p *accelPrograms) Close() error {
 		p.MwSendtoWatch,
 		p.MwSetsockopt,
 		p.MwSkmsg,
+		p.MwSkmsgTap,
 		p.MwSockops,
 		p.MwSpliceWatch,
 	)

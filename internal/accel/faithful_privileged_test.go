@@ -26,12 +26,18 @@ import (
 // with the agent it requires that they are paired.
 func pairedConn(t *testing.T, a *Agent, ln net.Listener, dial func() (net.Conn, error)) (client, server net.Conn) {
 	t.Helper()
+	var before Stats
+	if a != nil {
+		before = stats(t, a)
+	}
 	client, server = acceptedPair(t, ln, dial)
 	if a != nil {
 		// Pairing completes in the accepted side's handshake callback.
 		in := sockhashCookies(t, a)
 		if !slices.Contains(in, socketCookie(t, client)) || !slices.Contains(in, socketCookie(t, server)) {
-			t.Fatal("the connection is not paired: the test would not exercise the redirect")
+			d := stats(t, a).Sub(before)
+			t.Fatalf("the connection is not paired: the test would not exercise the redirect (left to TCP: %v, removed: %v)",
+				nonZero(d.PassthroughConnections), nonZero(d.RemovedSockets))
 		}
 	}
 	return client, server
@@ -479,4 +485,15 @@ func TestPrivilegedFaithfulEarlyWriteKeepsOrder(t *testing.T) {
 			}
 		}
 	})
+}
+
+// nonZero keeps a counter map's non-zero entries (for failure messages).
+func nonZero(m map[string]uint64) map[string]uint64 {
+	out := map[string]uint64{}
+	for k, v := range m {
+		if v != 0 {
+			out[k] = v
+		}
+	}
+	return out
 }

@@ -6,7 +6,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -14,7 +13,6 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 )
 
 // ObsBucketBounds are the upper bounds of the duration histograms the
@@ -93,12 +91,12 @@ func ReadPinnedFlows(pinDir string) ([]Flow, error) {
 	if pinDir == "" {
 		pinDir = DefaultPinDir
 	}
-	p := filepath.Join(pinDir, "mw_flows")
+	p := filepath.Join(pinDir, accelMapMwFlows)
 	m, err := ebpf.LoadPinnedMap(p, &ebpf.LoadPinOptions{ReadOnly: true})
 	if err != nil {
 		return nil, fmt.Errorf("no meshwarp agent is attached at %s (%w): start one with `meshwarp run` (or pass its --pin-dir)", pinDir, errors.Unwrap(err))
 	}
-	if _, err := os.Stat(filepath.Join(pinDir, obsEgressPin)); err != nil {
+	if _, err := os.Stat(filepath.Join(pinDir, ObsEgressLinkPin)); err != nil {
 		m.Close()
 		return nil, fmt.Errorf("the meshwarp agent at %s does not observe: restart it without --observe=false", pinDir)
 	}
@@ -179,71 +177,4 @@ func endpointAddrPort(e accelMwEndpoint) netip.AddrPort {
 		binary.LittleEndian.PutUint32(b[i*4:], w) // network order bytes, loaded little-endian
 	}
 	return netip.AddrPortFrom(netip.AddrFrom16(b).Unmap(), uint16(e.PortHost))
-}
-
-// obsConstants are the observation's load-time settings.
-func obsConstants(cfg Config) (map[string]any, error) {
-	if len(ObsBucketBounds) != len(accelMwFlow{}.Buckets)-1 {
-		return nil, errors.New("ObsBucketBounds does not match MW_OBS_BUCKETS")
-	}
-	var bounds [len(accelMwFlow{}.Buckets) - 1]uint64
-	for i, d := range ObsBucketBounds {
-		bounds[i] = uint64(d.Nanoseconds())
-	}
-	return map[string]any{
-		"observe":       boolU32(cfg.Observe),
-		"accelerate":    boolU32(!cfg.ObserveOnly),
-		"obs_bounds_ns": bounds,
-	}, nil
-}
-
-func boolU32(b bool) uint32 {
-	if b {
-		return 1
-	}
-	return 0
-}
-
-// TraceReads attaches the observation of client applications' reads
-// (mw_obs_recv, the point client_app) against the maps of the agent pinned
-// at pinDir, until the returned closer is closed or the process exits (the
-// link is not pinned). `meshwarp trace` uses it while it samples.
-func TraceReads(pinDir string) (io.Closer, error) {
-	if pinDir == "" {
-		pinDir = DefaultPinDir
-	}
-	spec, err := loadAccel()
-	if err != nil {
-		return nil, err
-	}
-	consts, err := obsConstants(Config{Observe: true})
-	if err != nil {
-		return nil, err
-	}
-	for name, v := range consts {
-		if err := spec.Variables[name].Set(v); err != nil {
-			return nil, fmt.Errorf("set %s: %w", name, err)
-		}
-	}
-	replace := map[string]*ebpf.Map{}
-	for _, name := range []string{"mw_obs_store", "mw_flows", "mw_stats"} {
-		m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, name), nil)
-		if err != nil {
-			return nil, fmt.Errorf("no meshwarp agent is attached at %s (%w): start one with `meshwarp run`", pinDir, errors.Unwrap(err))
-		}
-		defer m.Close()
-		replace[name] = m
-	}
-	var objs struct {
-		Recv *ebpf.Program `ebpf:"mw_obs_recv"`
-	}
-	if err := spec.LoadAndAssign(&objs, &ebpf.CollectionOptions{MapReplacements: replace}); err != nil {
-		return nil, fmt.Errorf("load the read observation against the agent's maps at %s (same meshwarp build?): %w", pinDir, err)
-	}
-	defer objs.Recv.Close()
-	l, err := link.AttachTracing(link.TracingOptions{Program: objs.Recv})
-	if err != nil {
-		return nil, fmt.Errorf("attach the read observation (tracepoint sock:sock_recv_length): %w", err)
-	}
-	return l, nil
 }

@@ -113,7 +113,7 @@ func TestPrivilegedUpgradeToOtherLayoutRefused(t *testing.T) {
 	before := readPinState(t, a.cfg.PinDir)
 	statsBefore := stats(t, a)
 
-	for _, c := range []struct{ mapName, field string }{{"mw_conns", "state"}, {"mw_sock_hash", "active_cookie"}} {
+	for _, c := range []struct{ mapName, field string }{{accelMapMwConns, "state"}, {accelMapMwSockHash, "active_cookie"}} {
 		_, err := start(a.cfg, nil, otherBuild(t, c.mapName, c.field))
 		if !errors.Is(err, ErrLayoutMismatch) {
 			close(stop)

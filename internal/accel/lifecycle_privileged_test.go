@@ -28,9 +28,13 @@ var (
 	buildErr  error
 )
 
-// meshwarpBinary builds cmd/meshwarp once per test run.
+// meshwarpBinary builds cmd/meshwarp once per test run, or returns
+// $MESHWARP_TEST_BIN (testutil.BinEnv) when set.
 func meshwarpBinary(t *testing.T) string {
 	t.Helper()
+	if bin := os.Getenv(testutil.BinEnv); bin != "" {
+		return bin
+	}
 	buildOnce.Do(func() {
 		dir, err := os.MkdirTemp("", "meshwarp-test-bin-")
 		if err != nil {
@@ -116,7 +120,7 @@ func (p *agentProc) stop(t *testing.T, sig syscall.Signal) int {
 }
 
 func pinned(pinDir string) bool {
-	_, err := os.Stat(filepath.Join(pinDir, sockopsLinkPin))
+	_, err := os.Stat(filepath.Join(pinDir, SockopsLinkPin))
 	return err == nil
 }
 

@@ -215,7 +215,9 @@ func readAll(c net.Conn) ([]byte, error) {
 // its whole life: redirected bytes would overtake the TCP bytes still unread.
 func TestPrivilegedNoPathSwitchMidStream(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	a := startAgent(t, Config{})
+	// The first write must come before the unpaired timeout: 10 ms is
+	// shorter than a dial under emulation (scripts/vmtest.sh).
+	a := startAgent(t, Config{UnpairedTimeout: time.Second})
 	ns := testutil.NewNetns(t, "race")
 	dropFinalHandshakeACK(t, ns, 7003)
 	srv := testutil.ServeEcho(listenIn(t, ns, "127.0.0.1:7003"))

@@ -5,9 +5,11 @@ package accel
 import (
 	"errors"
 	"fmt"
+	"io"
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/meshwarp/meshwarp/internal/btfenum"
 	"github.com/meshwarp/meshwarp/internal/crossnode"
@@ -138,7 +140,7 @@ func ReadPinnedStats(pinDir string) (Stats, error) {
 	if pinDir == "" {
 		pinDir = DefaultPinDir
 	}
-	p := filepath.Join(pinDir, "mw_stats")
+	p := filepath.Join(pinDir, accelMapMwStats)
 	m, err := ebpf.LoadPinnedMap(p, &ebpf.LoadPinOptions{ReadOnly: true})
 	if err != nil {
 		return Stats{}, fmt.Errorf("open %s: %w (is `meshwarp run` attached? see `meshwarp probe`)", p, err)
@@ -332,7 +334,7 @@ func combineMap(a, b map[string]uint64, op func(a, b uint64) uint64) map[string]
 // pinDir, if any, is skipped.
 func DetachedSockets(pinDir string) (uint64, error) {
 	var pinnedID ebpf.MapID
-	if m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, "mw_sock_hash"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwSockHash), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
 		if info, err := m.Info(); err == nil {
 			pinnedID, _ = info.ID()
 		}
@@ -348,7 +350,7 @@ func DetachedSockets(pinDir string) (uint64, error) {
 			continue // gone meanwhile, or not ours to open
 		}
 		info, err := m.Info()
-		if err == nil && info.Name == "mw_sock_hash" && info.Type == ebpf.SockHash {
+		if err == nil && info.Name == accelMapMwSockHash && info.Type == ebpf.SockHash {
 			var key accelMwSockKey
 			var cookie uint64
 			it := m.Iterate()
@@ -359,4 +361,56 @@ func DetachedSockets(pinDir string) (uint64, error) {
 		m.Close()
 	}
 	return open, nil
+}
+
+// SockhashCookies lists the socket cookies (SO_COOKIE) of the sockets in
+// mw_sock_hash right now: the sockets whose bytes meshwarp may redirect.
+func (a *Agent) SockhashCookies() ([]uint64, error) {
+	var (
+		key     accelMwSockKey
+		cookie  uint64
+		cookies []uint64
+	)
+	it := a.objs.MwSockHash.Iterate()
+	for it.Next(&key, &cookie) {
+		cookies = append(cookies, cookie)
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("read mw_sock_hash: %w", err)
+	}
+	return cookies, nil
+}
+
+// Stats reads the counters.
+func (a *Agent) Stats() (Stats, error) {
+	s, err := readStats(a.objs.MwStats)
+	if err != nil {
+		return s, err
+	}
+	s.UnfitProcesses, err = readUnfitProcesses(a.objs.MwUnfitProcs)
+	for _, p := range []*ebpf.Program{a.objs.MwSockops, a.objs.MwSkmsg, a.objs.MwSetsockopt, a.objs.MwFinOrder, a.objs.MwObsEgress, a.objs.MwObsIngress, a.objs.MwObsRecv,
+		a.objs.MwSpliceWatch, a.objs.MwRecvfromWatch, a.objs.MwRecvmsgWatch, a.objs.MwRecvmmsgWatch, a.objs.MwSendtoWatch,
+		a.objs.MwSendmsgWatch, a.objs.MwSendmmsgWatch, a.objs.MwCloseWatch, a.objs.MwConnectWatch} {
+		if ps, perr := p.Stats(); perr == nil {
+			s.BPFRunSeconds += ps.Runtime.Seconds()
+			s.BPFRuns += ps.RunCount
+		}
+	}
+	if a.xn != nil {
+		xs, xerr := a.xn.Stats()
+		s.CrossNode = &xs
+		err = errors.Join(err, xerr)
+	}
+	return s, err
+}
+
+// EnableBPFStats turns on the kernel's per-program run-time statistics
+// (Stats.BPFRunSeconds) until the returned closer is closed. They cost a
+// clock read per program run, so they are off by default.
+func EnableBPFStats() (io.Closer, error) {
+	c, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if err != nil {
+		return nil, fmt.Errorf("enable BPF run-time statistics: %w", err)
+	}
+	return c, nil
 }

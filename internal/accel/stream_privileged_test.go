@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
@@ -365,4 +367,63 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 		}
 		time.Sleep(time.Millisecond)
 	}
+}
+
+// A writer far ahead of its reader moves to TCP with redirected bytes still
+// unread (backpressure), and then stops. A reader that reads only what
+// FIONREAD reports (Java's available()) still gets every byte: once it has
+// read the redirected ones, its socket leaves the SOCKHASH (the
+// connection's timer re-runs the leave check when no packet comes), and
+// FIONREAD counts the TCP queue again.
+func TestPrivilegedBackpressureFIONREADReader(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		ln := mustListen(t, "127.0.0.1:0")
+		defer ln.Close()
+		client, server := pairedConn(t, a, ln, func() (net.Conn, error) { return net.Dial("tcp", ln.Addr().String()) })
+		var before Stats
+		if a != nil {
+			before = stats(t, a)
+		}
+		up := &streamDir{w: client, r: server}
+		// Write until the writer would block: the reader does not read.
+		buf := make([]byte, 64<<10)
+		onFD(t, client, func(fd int) {
+			deadline := time.Now().Add(5 * time.Second)
+			for time.Now().Before(deadline) {
+				for j := range buf {
+					buf[j] = pattern(up.written + int64(j))
+				}
+				n, err := unix.Write(fd, buf)
+				if errors.Is(err, unix.EAGAIN) {
+					return
+				}
+				if err != nil {
+					t.Fatalf("write: %v", err)
+				}
+				up.written += int64(n)
+			}
+			t.Fatal("the writer never blocked in 5 s")
+		})
+		if a != nil && stats(t, a).Sub(before).PassthroughConnections["backpressure"] == 0 {
+			t.Fatal("the agent counted no backpressure: the test would not exercise the switch")
+		}
+		deadline := time.Now().Add(10 * time.Second)
+		for up.read < up.written {
+			n, err := inq(server)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if n == 0 {
+				if time.Now().After(deadline) {
+					t.Fatalf("FIONREAD = 0 with %d of %d bytes unread", up.written-up.read, up.written)
+				}
+				time.Sleep(time.Millisecond) // polling interval
+				continue
+			}
+			if err := up.recv(up.read+int64(n), false, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
 }

@@ -117,7 +117,7 @@ func readUnfitProcesses(m *ebpf.Map) ([]UnfitProcess, error) {
 // pinnedUnfitProcesses reads mw_unfit_procs from pinDir; a missing map
 // (older agent) is no error.
 func pinnedUnfitProcesses(pinDir string) ([]UnfitProcess, error) {
-	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, "mw_unfit_procs"), &ebpf.LoadPinOptions{ReadOnly: true})
+	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwUnfitProcs), &ebpf.LoadPinOptions{ReadOnly: true})
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
 	}

@@ -4,7 +4,9 @@
 // direct+meshwarp side by side in the lab (internal/lab), with the workloads
 // of published sidecar-acceleration measurements: fortio HTTP and TCP echo
 // load (fortio as a Go library, run by a worker process inside the client
-// pod), qperf tcp_lat/tcp_bw, and an AF_UNIX socketpair floor. Modes are interleaved and repeated; the report
+// pod), qperf tcp_lat/tcp_bw, an AF_UNIX socketpair floor, and the cost
+// workloads: HTTP with a connection per request, one connection, and
+// redis-benchmark against redis-server. Modes are interleaved and repeated; the report
 // gives medians, spread and per-repeat paired ratios, as a terminal table,
 // JSON (docs/bench-schema.json) and a self-contained HTML page.
 package bench
@@ -42,6 +44,20 @@ const (
 	WorkloadTCP   = "tcp"
 	WorkloadQperf = "qperf"
 	WorkloadUnix  = "unix"
+	// WorkloadHTTPClose is fortio HTTP with one connection per request
+	// (keep-alive off: `Connection: close`), CloseConnections at a time.
+	WorkloadHTTPClose = "http-close"
+	// WorkloadHTTPC1 and WorkloadTCPC1 are the http and tcp workloads with
+	// one connection: the latency of a lone request.
+	WorkloadHTTPC1 = "http-c1"
+	WorkloadTCPC1  = "tcp-c1"
+	// WorkloadRedis is redis-benchmark against redis-server in the server
+	// pod; it reports two rows, WorkloadRedis (plain) and WorkloadRedisPipelined.
+	WorkloadRedis          = "redis"
+	WorkloadRedisPipelined = "redis-p16"
+	// WorkloadIdle labels the agent's cost with no traffic (IdleWindow
+	// after it attached, in every mode with an agent).
+	WorkloadIdle = "idle"
 )
 
 // Defaults (the settings of those published measurements: 64 connections, 1 KB payloads).
@@ -50,6 +66,8 @@ const (
 	DefaultRepeat       = 3
 	DefaultConnections  = 64
 	DefaultPayloadBytes = 1024
+	// DefaultCloseConnections is the concurrency of http-close.
+	DefaultCloseConnections = 32
 	// DefaultResolutionSeconds is the histogram resolution: 10 us (fortio's
 	// default of 1 ms would put every request of this lab in one bucket).
 	DefaultResolutionSeconds = 0.00001
@@ -65,8 +83,29 @@ var AllModes = []string{ModeDirect, ModeSidecar, ModeSidecarMeshwarp, ModeDirect
 // KnownModes are AllModes and the modes that measure the observation's cost.
 var KnownModes = append(slices.Clone(AllModes), ModeSidecarObserve, ModeSidecarAccelerate, ModeDirectObserve, ModeDirectAccelerate)
 
-// AllWorkloads in report order.
+// AllWorkloads are the default workloads (the seeds' experiments).
 var AllWorkloads = []string{WorkloadHTTP, WorkloadTCP, WorkloadQperf, WorkloadUnix}
+
+// KnownWorkloads are every workload --workloads accepts: AllWorkloads and
+// the cost workloads (connection per request, one connection, redis).
+var KnownWorkloads = append(slices.Clone(AllWorkloads), WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1, WorkloadRedis)
+
+// reportOrder is the order of the report's rows (a workload may report
+// rows under more than one name: redis).
+var reportOrder = []string{WorkloadIdle, WorkloadHTTP, WorkloadTCP, WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1,
+	WorkloadRedis, WorkloadRedisPipelined, WorkloadQperf, WorkloadUnix}
+
+// fortioWorkload returns the fortio load (http or tcp) of a workload and
+// whether it is one.
+func fortioWorkload(w string) (string, bool) {
+	switch w {
+	case WorkloadHTTP, WorkloadHTTPClose, WorkloadHTTPC1:
+		return WorkloadHTTP, true
+	case WorkloadTCP, WorkloadTCPC1:
+		return WorkloadTCP, true
+	}
+	return "", false
+}
 
 // DefaultSizes are the qperf and unix message sizes (the seed's 1 B to 16 KiB).
 var DefaultSizes = []int{1, 64, 256, 1024, 4096, 16384}
@@ -117,8 +156,10 @@ type Options struct {
 	Workloads     []string
 	Sizes         []int
 	Connections   int
-	PayloadBytes  int
-	Quick         bool
+	// CloseConnections is the concurrency of http-close.
+	CloseConnections int
+	PayloadBytes     int
+	Quick            bool
 	// QperfLoopback runs qperf inside the server pod against 127.0.0.1
 	// (two sockets of one pod) instead of from the client pod.
 	QperfLoopback bool
@@ -188,6 +229,9 @@ func (o *Options) Normalize() error {
 	if o.Connections == 0 {
 		o.Connections = DefaultConnections
 	}
+	if o.CloseConnections == 0 {
+		o.CloseConnections = DefaultCloseConnections
+	}
 	if o.PayloadBytes == 0 {
 		o.PayloadBytes = DefaultPayloadBytes
 	}
@@ -216,14 +260,17 @@ func (o *Options) Normalize() error {
 	if o.Connections < 1 {
 		errs = append(errs, fmt.Errorf("--connections %d: must be at least 1", o.Connections))
 	}
+	if o.CloseConnections < 1 {
+		errs = append(errs, fmt.Errorf("--close-connections %d: must be at least 1", o.CloseConnections))
+	}
 	for _, m := range o.Modes {
 		if !slices.Contains(KnownModes, m) {
 			errs = append(errs, fmt.Errorf("unknown mode %q (want one of %s)", m, strings.Join(KnownModes, ", ")))
 		}
 	}
 	for _, w := range o.Workloads {
-		if !slices.Contains(AllWorkloads, w) {
-			errs = append(errs, fmt.Errorf("unknown workload %q (want one of %s)", w, strings.Join(AllWorkloads, ", ")))
+		if !slices.Contains(KnownWorkloads, w) {
+			errs = append(errs, fmt.Errorf("unknown workload %q (want one of %s)", w, strings.Join(KnownWorkloads, ", ")))
 		}
 	}
 	for _, s := range o.Sizes {

@@ -219,3 +219,104 @@ func workerProcesses(t *testing.T) []string {
 	}
 	return out
 }
+
+// TestPrivilegedBenchCostWorkloads runs the cost workloads (http-close,
+// http-c1, tcp-c1, redis) for a second each in every mode against a real lab
+// and the real agent: each gives non-zero figures in every mode, and the
+// agent's modes report its BPF programs (sock_ops runs per connection of
+// http-close, run time per redirected message) and its idle cost.
+func TestPrivilegedBenchCostWorkloads(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	for _, bin := range []string{"haproxy", "redis-server", "redis-benchmark", "iptables", "ip"} {
+		if _, err := exec.LookPath(bin); err != nil {
+			t.Fatalf("%s not installed: run scripts/install-deps.sh", bin)
+		}
+	}
+	if _, err := lab.Load(); err != nil {
+		if left := lab.Leftovers(); len(left) > 0 {
+			t.Fatalf("leftovers of an earlier lab (run `meshwarp lab down`): %v", left)
+		}
+	}
+	if bench.PinDirLeft(bench.DefaultPinDir) {
+		t.Fatalf("%s exists before the test: run `meshwarp cleanup --pin-dir %s`", bench.DefaultPinDir, bench.DefaultPinDir)
+	}
+	jsonPath := filepath.Join(t.TempDir(), "bench.json")
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	root := full.NewRootCommand()
+	var stdout, stderr bytes.Buffer
+	root.SetOut(&stdout)
+	root.SetErr(&stderr)
+	root.SetArgs([]string{"bench", "--workloads", "http-close,http-c1,tcp-c1,redis", "--duration", "1s", "--repeat", "1", "--json", jsonPath})
+	err := root.ExecuteContext(ctx)
+	t.Logf("%s", stdout.String())
+	if err != nil {
+		t.Fatalf("bench: %v\nstderr:\n%s", err, stderr.String())
+	}
+	if bench.PinDirLeft(bench.DefaultPinDir) {
+		t.Errorf("agent pins left in %s", bench.DefaultPinDir)
+	}
+	if procs := workerProcesses(t); len(procs) > 0 {
+		t.Errorf("worker processes left: %v", procs)
+	}
+	doc, err := os.ReadFile(jsonPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sch, err := jsonschema.NewCompiler().Compile("../../docs/bench-schema.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst, err := jsonschema.UnmarshalJSON(bytes.NewReader(doc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sch.Validate(inst); err != nil {
+		t.Fatalf("bench JSON does not follow docs/bench-schema.json: %v", err)
+	}
+	var rep bench.Report
+	if err := json.Unmarshal(doc, &rep); err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Failures) > 0 {
+		t.Errorf("failed runs: %v", rep.Failures)
+	}
+	rows := []string{bench.WorkloadHTTPClose, bench.WorkloadHTTPC1, bench.WorkloadTCPC1, bench.WorkloadRedis, bench.WorkloadRedisPipelined}
+	for _, m := range bench.AllModes {
+		for _, w := range rows {
+			r := rep.FindResult(m, w, 0)
+			if r == nil || r.QPS == nil || *r.QPS <= 0 || r.LatencyUS == nil || r.LatencyUS.P50 == nil || *r.LatencyUS.P50 <= 0 ||
+				r.CPUSecondsPer1kRequests == nil || *r.CPUSecondsPer1kRequests <= 0 {
+				t.Errorf("%s %s: missing or zero figures: %+v", m, w, r)
+				continue
+			}
+			if !bench.ModeAgent(m) {
+				continue
+			}
+			h := r.Hops
+			if h == nil || h.Cost == nil || h.Cost.BPFCPUPercent <= 0 || h.Cost.ProcessRSSBytes <= 0 || h.Cost.BPFMemoryBytes <= 0 {
+				t.Errorf("%s %s: no agent cost: %+v", m, w, h)
+				continue
+			}
+			if h.RedirectedMessages == 0 || h.BPFNSPerRedirectedMessage <= 0 {
+				t.Errorf("%s %s: %.0f messages redirected, %.0f ns of BPF per redirected message", m, w, h.RedirectedMessages, h.BPFNSPerRedirectedMessage)
+			}
+			if p, ok := h.BPFPrograms["mw_sockops"]; !ok || p.Runs <= 0 || p.NSPerRun <= 0 {
+				t.Errorf("%s %s: no sock_ops statistics: %+v", m, w, h.BPFPrograms)
+			}
+			if p, ok := h.BPFPrograms["mw_skmsg"]; !ok || p.NSPerRedirectedMessage <= 0 {
+				t.Errorf("%s %s: no sk_msg statistics: %+v", m, w, h.BPFPrograms)
+			}
+		}
+		idle := rep.FindResult(m, bench.WorkloadIdle, 0)
+		if bench.ModeAgent(m) && (idle == nil || idle.Hops == nil || idle.Hops.Cost == nil || idle.Hops.Cost.ProcessRSSBytes <= 0) {
+			t.Errorf("%s: no idle cost: %+v", m, idle)
+		}
+	}
+	// a connection per request: sock_ops runs at least once per connection
+	if r := rep.FindResult(bench.ModeSidecarMeshwarp, bench.WorkloadHTTPClose, 0); r != nil && r.Hops != nil {
+		if p := r.Hops.BPFPrograms["mw_sockops"]; p.RunsPerRequest < 1 {
+			t.Errorf("http-close: %.2f sock_ops runs per request (connection), want >= 1", p.RunsPerRequest)
+		}
+	}
+}

@@ -146,6 +146,7 @@ func downLab(logger *slog.Logger) error {
 type accelAgent struct {
 	a       *accel.Agent
 	observe bool
+	pinDir  string
 }
 
 // StartAccel is the StartAgentFunc of the real agent.
@@ -162,7 +163,7 @@ func StartAccel(logger *slog.Logger) StartAgentFunc {
 		if err != nil {
 			return nil, err
 		}
-		return accelAgent{a, s.Observe}, nil
+		return accelAgent{a, s.Observe, pinDir}, nil
 	}
 }
 

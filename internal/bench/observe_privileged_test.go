@@ -66,6 +66,9 @@ func TestPrivilegedObserveBreakdown(t *testing.T) {
 			}
 			fortioMean := map[string]float64{}
 			for _, s := range rep.Runs {
+				if s.Workload != bench.WorkloadHTTP {
+					continue // the agent's idle cost
+				}
 				fortioMean[s.Mode] = s.Metrics[bench.MetricLatencyAvg] / 1e6
 				checkObservation(t, s)
 			}
@@ -149,7 +152,7 @@ type traceResult struct {
 // traceWhileBenchRuns waits for the bench's observing agent and fortio's
 // first requests, then runs `meshwarp trace --json` for 2 s.
 func traceWhileBenchRuns(ctx context.Context) traceResult {
-	obs := filepath.Join(bench.DefaultPinDir, "mw_obs_egress_link")
+	obs := filepath.Join(bench.DefaultPinDir, accel.ObsEgressLinkPin)
 	for {
 		if _, err := os.Stat(obs); err == nil {
 			break

@@ -105,6 +105,17 @@ type AgentDelta struct {
 	Hops                   map[string]HopCounters `json:"by_hop,omitempty"`
 	// BPFRunSeconds is the CPU time of the agent's BPF programs over the run.
 	BPFRunSeconds float64 `json:"bpf_run_seconds,omitempty"`
+	// BPFPrograms splits the BPF run time by program (kernel statistics).
+	BPFPrograms map[string]BPFProgramDelta `json:"bpf_programs,omitempty"`
+	// WallSeconds is the run's wall time as the agent counters saw it.
+	WallSeconds float64 `json:"wall_seconds,omitempty"`
+	// ProcessCPUSeconds is the CPU time of the process hosting the agent
+	// (the bench process) over the run; ProcessRSSBytes its resident memory
+	// at the end; BPFMemoryBytes the kernel memory of the agent's maps and
+	// programs (memlock).
+	ProcessCPUSeconds float64 `json:"process_cpu_seconds"`
+	ProcessRSSBytes   uint64  `json:"process_rss_bytes,omitempty"`
+	BPFMemoryBytes    uint64  `json:"bpf_memory_bytes,omitempty"`
 	// CrossNode counters (--nodes 2): packets redirected by direction, and
 	// passed by reason (non-zero only).
 	CrossNodeRedirected map[string]uint64 `json:"crossnode_redirected_packets,omitempty"`
@@ -151,6 +162,9 @@ type Config struct {
 	QperfDurationSeconds   float64  `json:"qperf_duration_seconds"`
 	SizesBytes             []int    `json:"sizes_bytes"`
 	Connections            int      `json:"connections"`
+	CloseConnections       int      `json:"close_connections,omitempty"`
+	RedisTarget            string   `json:"redis_target,omitempty"`
+	RedisBenchmark         string   `json:"redis_benchmark,omitempty"`
 	PayloadBytes           int      `json:"payload_bytes"`
 	HistogramResolutionUS  float64  `json:"histogram_resolution_us"`
 	HTTPURL                string   `json:"http_url,omitempty"`
@@ -220,11 +234,46 @@ type HopsSummary struct {
 	PassthroughBytes    float64                `json:"passthrough_bytes"`
 	ByHop               map[string]HopCounters `json:"by_hop"`
 	// BPFUSPerRequest is the agent's BPF CPU time per request (fortio workloads).
-	BPFUSPerRequest     float64           `json:"bpf_us_per_request,omitempty"`
+	BPFUSPerRequest float64 `json:"bpf_us_per_request,omitempty"`
+	// BPFNSPerRedirectedMessage is the agent's BPF CPU time (every program)
+	// per redirected message.
+	BPFNSPerRedirectedMessage float64 `json:"bpf_ns_per_redirected_message,omitempty"`
+	// BPFPrograms is each program's share (medians over repeats).
+	BPFPrograms map[string]BPFProgramSummary `json:"bpf_programs,omitempty"`
+	// Cost is what the agent itself used over the run (medians over repeats).
+	Cost                *AgentCost        `json:"agent_cost,omitempty"`
 	PassthroughByReason map[string]uint64 `json:"passthrough_messages_by_reason,omitempty"`
 	// PassthroughConnections is the most connections any one repeat left
 	// to TCP, by reason: a single bad repeat shows.
 	PassthroughConnections map[string]uint64 `json:"passthrough_connections_by_reason,omitempty"`
+}
+
+// BPFProgramSummary is one BPF program's cost in a result.
+type BPFProgramSummary struct {
+	Runs float64 `json:"runs"`
+	// NSPerRun is its mean run time.
+	NSPerRun float64 `json:"ns_per_run"`
+	// RunsPerRequest and NSPerRequest: per request (round trip; with
+	// http-close also per connection).
+	RunsPerRequest float64 `json:"runs_per_request,omitempty"`
+	NSPerRequest   float64 `json:"ns_per_request,omitempty"`
+	// NSPerRedirectedMessage is its run time per redirected message.
+	NSPerRedirectedMessage float64 `json:"ns_per_redirected_message,omitempty"`
+}
+
+// AgentCost is the agent's own CPU and memory over a run.
+type AgentCost struct {
+	// ProcessCPUPercent is the CPU time of the process hosting the agent
+	// (the bench process: the agent's goroutines and an orchestrator that
+	// waits for the worker) in percent of one CPU over the run.
+	ProcessCPUPercent float64 `json:"process_cpu_percent"`
+	// BPFCPUPercent is the agent's BPF programs' run time in percent of one
+	// CPU (charged to the applications whose calls run them).
+	BPFCPUPercent float64 `json:"bpf_cpu_percent"`
+	// ProcessRSSBytes is the hosting process's resident memory at the end.
+	ProcessRSSBytes float64 `json:"process_rss_bytes"`
+	// BPFMemoryBytes is the kernel memory of the agent's maps and programs.
+	BPFMemoryBytes float64 `json:"bpf_memory_bytes"`
 }
 
 // Histogram is a histogram on explicit edges (len(Counts) == len(EdgesUS)-1).
@@ -317,7 +366,7 @@ func BuildReport(machine Machine, cfg Config, samples []Sample, modes []string) 
 	}
 	sort.SliceStable(keys, func(i, j int) bool {
 		a, b := keys[i], keys[j]
-		if wa, wb := slices.Index(AllWorkloads, a.workload), slices.Index(AllWorkloads, b.workload); wa != wb {
+		if wa, wb := slices.Index(reportOrder, a.workload), slices.Index(reportOrder, b.workload); wa != wb {
 			return wa < wb
 		}
 		if a.size != b.size {
@@ -503,6 +552,7 @@ func summarizeHops(ss []Sample) *HopsSummary {
 		}
 	}
 	h.BPFUSPerRequest, _ = Median(perReq)
+	summarizeCost(h, ss, ds)
 	names := map[string]bool{}
 	reasons := map[string]bool{}
 	for _, d := range ds {

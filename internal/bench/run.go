@@ -14,7 +14,6 @@ import (
 	"os"
 	"os/exec"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -54,115 +53,6 @@ type Env interface {
 	AgentTargets() []AgentTarget
 }
 
-// AgentTarget is one node's agent: its cgroup and, with several nodes, its
-// node namespace for cross-node forwarding.
-type AgentTarget struct {
-	Cgroup    string
-	NodeNetns string // "" with one node
-}
-
-// AgentPinDirs are the pin directories of n agents: pinDir, pinDir-node1, ...
-func AgentPinDirs(pinDir string, n int) []string {
-	out := []string{pinDir}
-	for i := 1; i < n; i++ {
-		out = append(out, fmt.Sprintf("%s-node%d", pinDir, i))
-	}
-	return out
-}
-
-// nodeAgents are the agents of one mode, one per node, read as one.
-type nodeAgents []Agent
-
-func (as nodeAgents) Stats() (accel.Stats, error) {
-	var sum accel.Stats
-	for i, a := range as {
-		s, err := a.Stats()
-		if err != nil {
-			return sum, err
-		}
-		if i == 0 {
-			sum = s
-		} else {
-			sum = sum.Add(s)
-		}
-	}
-	return sum, nil
-}
-
-func (as nodeAgents) Flows() ([]accel.Flow, error) {
-	var all []accel.Flow
-	for _, a := range as {
-		f, err := a.Flows()
-		if err != nil {
-			return nil, err
-		}
-		all = append(all, f...)
-	}
-	return all, nil
-}
-
-func (as nodeAgents) Uninstall() error {
-	var errs []error
-	for _, a := range as {
-		errs = append(errs, a.Uninstall())
-	}
-	return errors.Join(errs...)
-}
-
-// Agent is an attached acceleration agent.
-type Agent interface {
-	// Stats reads its cumulative counters (accel.Stats: the one shape of them).
-	Stats() (accel.Stats, error)
-	// Flows reads its observation (nil when it does not observe).
-	Flows() ([]accel.Flow, error)
-	// Uninstall stops accelerating new connections and removes the pins.
-	Uninstall() error
-}
-
-// deltaOf is the report's view of the counters of one run (after.Sub(before)).
-func deltaOf(d accel.Stats) *AgentDelta {
-	out := &AgentDelta{
-		PairedSockets:       d.PairedSockets,
-		RedirectedMessages:  d.RedirectedMessages,
-		RedirectedBytes:     d.RedirectedBytes,
-		PassthroughMessages: d.PassthroughMessages,
-		PassthroughBytes:    d.PassthroughBytes,
-		PassthroughByReason: map[string]uint64{},
-		NATPortRemaps:       d.NATPortRemaps,
-		LeftSockets:         d.LeftSockets,
-		Hops:                d.Hops,
-		BPFRunSeconds:       d.BPFRunSeconds,
-	}
-	for k, v := range d.PassthroughByReason {
-		if v > 0 {
-			out.PassthroughByReason[k] = v
-		}
-	}
-	if x := d.CrossNode; x != nil {
-		out.CrossNodeRedirected = x.RedirectedPackets
-		for k, v := range x.PassedPackets {
-			if v > 0 {
-				if out.CrossNodePassed == nil {
-					out.CrossNodePassed = map[string]uint64{}
-				}
-				out.CrossNodePassed[k] = v
-			}
-		}
-	}
-	for k, v := range d.PassthroughConnections {
-		if v > 0 {
-			if out.PassthroughConnections == nil {
-				out.PassthroughConnections = map[string]uint64{}
-			}
-			out.PassthroughConnections[k] = v
-		}
-	}
-	return out
-}
-
-// StartAgentFunc attaches an agent to cgroupPath, pinning under pinDir.
-type StartAgentFunc func(cgroupPath, pinDir string, settings AgentSettings) (Agent, error)
-
 // ErrQperfThroughSidecar marks a qperf failure in a capture mode.
 var ErrQperfThroughSidecar = errors.New("qperf through the sidecars failed")
 
@@ -178,6 +68,9 @@ type runner struct {
 	// qperfCaptureBroken is set when qperf failed through the sidecars:
 	// qperf then runs in direct modes only.
 	qperfCaptureBroken bool
+	// redisRate is the last measured redis request rate per row, which
+	// sizes redis-benchmark -n for the next run.
+	redisRate map[string]float64
 }
 
 // Run measures every selected mode and workload in env, interleaving the
@@ -195,7 +88,7 @@ func Run(ctx context.Context, opts Options, env Env, startAgent StartAgentFunc, 
 		}
 		opts.WorkerCommand = []string{exe, "bench", "worker"}
 	}
-	r := &runner{opts: opts, env: env, start: startAgent, log: opts.Logger.With("subsys", "bench")}
+	r := &runner{opts: opts, env: env, start: startAgent, log: opts.Logger.With("subsys", "bench"), redisRate: map[string]float64{}}
 	steps, total := r.plan()
 	r.prog = newProgress(progressOut, steps, total)
 	t0 := time.Now()
@@ -207,7 +100,9 @@ func Run(ctx context.Context, opts Options, env Env, startAgent StartAgentFunc, 
 			r.notes = append(r.notes, fmt.Sprintf("the agent's BPF CPU time is not reported: %v", err))
 		} else {
 			defer stats.Close()
-			r.notes = append(r.notes, "BPF run-time statistics were on during the bench (a clock read per program run, in the modes with an agent)")
+			r.notes = append(r.notes, "BPF run-time statistics were on during the bench (a clock read per program run, in the modes with an agent); "+
+				"turned on through a BPF_ENABLE_STATS descriptor that the bench holds, so they go back off when it exits, also on a crash "+
+				"(kernel.bpf_stats_enabled was "+bpfStatsSysctl()+" and is not written)")
 		}
 	}
 	err := r.runAll(ctx)
@@ -223,9 +118,10 @@ func Run(ctx context.Context, opts Options, env Env, startAgent StartAgentFunc, 
 	return rep, nil
 }
 
-func (r *runner) fortioWorkloads() []string {
+// modeWorkloads are the selected workloads that run in every mode, in run order.
+func (r *runner) modeWorkloads() []string {
 	var ws []string
-	for _, w := range []string{WorkloadHTTP, WorkloadTCP, WorkloadQperf} {
+	for _, w := range []string{WorkloadHTTP, WorkloadTCP, WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1, WorkloadRedis, WorkloadQperf} {
 		if r.opts.hasWorkload(w) {
 			ws = append(ws, w)
 		}
@@ -237,9 +133,12 @@ func (r *runner) fortioWorkloads() []string {
 func (r *runner) estimate(workload string) time.Duration {
 	q := r.opts.QperfDuration
 	n := time.Duration(len(r.opts.Sizes))
-	switch workload {
-	case WorkloadHTTP, WorkloadTCP:
+	if _, ok := fortioWorkload(workload); ok {
 		return r.opts.Duration + 300*time.Millisecond
+	}
+	switch workload {
+	case WorkloadRedis:
+		return 2*r.opts.Duration + time.Second
 	case WorkloadQperf:
 		return n * 2 * (q + 250*time.Millisecond)
 	case WorkloadUnix:
@@ -252,8 +151,11 @@ func (r *runner) plan() (int, time.Duration) {
 	steps := 0
 	var total time.Duration
 	for range r.opts.Repeat {
-		for range r.opts.Modes {
-			for _, w := range r.fortioWorkloads() {
+		for _, m := range r.opts.Modes {
+			if ModeAgent(m) && len(r.modeWorkloads()) > 0 {
+				total += IdleWindow
+			}
+			for _, w := range r.modeWorkloads() {
 				steps++
 				total += r.estimate(w)
 			}
@@ -275,9 +177,16 @@ func (r *runner) runAll(ctx context.Context) error {
 		}
 		defer stop()
 	}
+	if r.opts.hasWorkload(WorkloadRedis) {
+		stop, err := r.startRedis(ctx)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
 	for rep := range r.opts.Repeat {
 		for _, mode := range r.opts.Modes {
-			if len(r.fortioWorkloads()) == 0 {
+			if len(r.modeWorkloads()) == 0 {
 				break
 			}
 			if err := r.runMode(ctx, rep, mode); err != nil {
@@ -357,17 +266,25 @@ func (r *runner) runMode(ctx context.Context, rep int, mode string) (err error) 
 			}
 		}()
 	}
-	for _, w := range r.fortioWorkloads() {
+	if agent != nil {
+		if err := r.measureIdle(rep, mode, agent); err != nil {
+			return fmt.Errorf("agent at idle in %s: %w", mode, err)
+		}
+	}
+	for _, w := range r.modeWorkloads() {
 		if w == WorkloadQperf && capture && r.qperfCaptureBroken {
 			continue
 		}
 		label := fmt.Sprintf("repeat %d/%d  %-16s %s", rep+1, r.opts.Repeat, mode, w)
 		r.prog.begin(label, r.estimate(w))
 		var werr error
-		switch w {
-		case WorkloadHTTP, WorkloadTCP:
+		_, isFortio := fortioWorkload(w)
+		switch {
+		case isFortio:
 			werr = r.runFortio(ctx, rep, mode, w, agent)
-		case WorkloadQperf:
+		case w == WorkloadRedis:
+			werr = r.runRedis(ctx, rep, mode, agent)
+		case w == WorkloadQperf:
 			werr = r.runQperf(ctx, rep, mode, agent)
 			if errors.Is(werr, ErrQperfThroughSidecar) && ctx.Err() == nil {
 				r.qperfCaptureBroken = true
@@ -396,27 +313,15 @@ func agentFlows(a Agent) ([]accel.Flow, error) {
 	return f, nil
 }
 
-// agentSnapshot reads the counters (nil agent: nothing).
-func (r *runner) agentSnapshot(a Agent) (accel.Stats, error) {
-	if a == nil {
-		return accel.Stats{}, nil
+// connections is the concurrency of a fortio workload.
+func (r *runner) connections(workload string) int {
+	switch workload {
+	case WorkloadHTTPClose:
+		return r.opts.CloseConnections
+	case WorkloadHTTPC1, WorkloadTCPC1:
+		return 1
 	}
-	c, err := a.Stats()
-	if err != nil {
-		return c, fmt.Errorf("read agent counters: %w", err)
-	}
-	return c, nil
-}
-
-func (r *runner) agentDelta(a Agent, before accel.Stats) (*AgentDelta, error) {
-	if a == nil {
-		return nil, nil
-	}
-	after, err := r.agentSnapshot(a)
-	if err != nil {
-		return nil, err
-	}
-	return deltaOf(after.Sub(before)), nil
+	return r.opts.Connections
 }
 
 func (r *runner) httpURL() string {
@@ -469,14 +374,16 @@ func (r *runner) runWorker(ctx context.Context, spec WorkerSpec, timeout time.Du
 }
 
 func (r *runner) runFortio(ctx context.Context, rep int, mode, workload string, agent Agent) error {
+	load, _ := fortioWorkload(workload)
 	spec := WorkerSpec{
-		Workload:          workload,
-		Connections:       r.opts.Connections,
+		Workload:          load,
+		Connections:       r.connections(workload),
 		DurationSeconds:   r.opts.Duration.Seconds(),
 		PayloadBytes:      r.opts.PayloadBytes,
 		ResolutionSeconds: DefaultResolutionSeconds,
+		DisableKeepAlive:  workload == WorkloadHTTPClose,
 	}
-	if workload == WorkloadHTTP {
+	if load == WorkloadHTTP {
 		spec.Target = r.httpURL()
 	} else {
 		spec.Target = r.tcpTarget()
@@ -545,199 +452,6 @@ func FortioSample(mode, workload string, rep int, res WorkerResult, cpuSeconds f
 	return s
 }
 
-// unpairedQperfPort is the control port of --qperf-unpaired's server.
-const unpairedQperfPort = 19766
-
-// startOutsideQperf starts the qperf server of --qperf-unpaired outside the
-// lab cgroup and waits until it listens; stop kills it.
-func (r *runner) startOutsideQperf(ctx context.Context) (stop func(), err error) {
-	cmd := r.env.OutsideServerCommand(ctx, "qperf", "--listen_port", strconv.Itoa(unpairedQperfPort))
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start qperf server outside the lab cgroup: %w", err)
-	}
-	stop = func() {
-		cmd.Process.Kill()
-		cmd.Wait()
-	}
-	probe := fmt.Sprintf("sport = :%d", unpairedQperfPort)
-	for deadline := time.Now().Add(10 * time.Second); ; {
-		out, _ := r.env.OutsideServerCommand(ctx, "ss", "-Hltn", probe).Output()
-		if len(bytes.TrimSpace(out)) > 0 {
-			return stop, nil
-		}
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			stop()
-			return nil, fmt.Errorf("qperf server outside the lab cgroup did not listen on :%d within 10s", unpairedQperfPort)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
-// qperfListenPort is the qperf server's control port.
-func (r *runner) qperfListenPort() (listen, data int) {
-	listen, data = r.env.QperfPorts()
-	if r.opts.QperfUnpaired {
-		listen = unpairedQperfPort
-	}
-	return listen, data
-}
-
-func (r *runner) qperfArgs(test string, size int) []string {
-	listen, data := r.qperfListenPort()
-	args := []string{r.qperfHost().String(), "-lp", strconv.Itoa(listen)}
-	if data != 0 {
-		args = append(args, "-ip", strconv.Itoa(data))
-	}
-	return append(args, "-t", strconv.Itoa(int(r.opts.QperfDuration.Seconds())),
-		"-m", strconv.Itoa(size), "-uu", "-v", test)
-}
-
-// qperfHost is the qperf server's address as the qperf client dials it.
-func (r *runner) qperfHost() netip.Addr {
-	if r.opts.QperfLoopback {
-		return netip.MustParseAddr("127.0.0.1")
-	}
-	return r.env.ServerIP()
-}
-
-// qperfCommand starts the qperf client: in the client pod, or for
-// --qperf-loopback in the server pod itself.
-func (r *runner) qperfCommand(ctx context.Context, args ...string) *exec.Cmd {
-	if r.opts.QperfLoopback {
-		return r.env.ServerCommand(ctx, "qperf", args...)
-	}
-	return r.env.ClientCommand(ctx, "qperf", args...)
-}
-
-// runQperfTest runs one qperf test at one size and returns its result and
-// the lab cgroup's CPU seconds over it.
-func (r *runner) runQperfTest(ctx context.Context, test string, size int) (QperfResult, float64, error) {
-	ctx, cancel := context.WithTimeout(ctx, r.opts.QperfDuration+30*time.Second)
-	defer cancel()
-	cmd := r.qperfCommand(ctx, r.qperfArgs(test, size)...)
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout = &stdout
-	cmd.Stderr = &tailWriter{buf: &stderr, max: 4096}
-	cpu0, err := CgroupCPUSeconds(r.env.CgroupPath())
-	if err != nil {
-		return QperfResult{}, 0, err
-	}
-	err = cmd.Run()
-	cpu1, cerr := CgroupCPUSeconds(r.env.CgroupPath())
-	if err != nil {
-		return QperfResult{}, 0, fmt.Errorf("qperf %s -m %d: %w: %s %s", test, size, err,
-			strings.TrimSpace(stdout.String()), strings.TrimSpace(stderr.String()))
-	}
-	if cerr != nil {
-		return QperfResult{}, 0, cerr
-	}
-	res, err := ParseQperf(stdout.String())
-	if err != nil {
-		return QperfResult{}, 0, err
-	}
-	if len(res) != 1 || res[0].Test != test {
-		return QperfResult{}, 0, fmt.Errorf("qperf %s -m %d: unexpected output %q", test, size, truncate(stdout.String(), 300))
-	}
-	return res[0], cpu1 - cpu0, nil
-}
-
-func (r *runner) runQperf(ctx context.Context, rep int, mode string, agent Agent) error {
-	for _, size := range r.opts.Sizes {
-		before, err := r.agentSnapshot(agent)
-		if err != nil {
-			return err
-		}
-		lat, latCPU, err := r.runQperfTest(ctx, "tcp_lat", size)
-		if err == nil {
-			var bw QperfResult
-			var bwCPU float64
-			bw, bwCPU, err = r.runQperfTest(ctx, "tcp_bw", size)
-			if err == nil {
-				delta, derr := r.agentDelta(agent, before)
-				if derr != nil {
-					return derr
-				}
-				s := QperfSample(mode, rep, size, lat, latCPU, bw, bwCPU)
-				s.Agent = delta
-				r.samples = append(r.samples, s)
-				continue
-			}
-		}
-		if ModeCapture(mode) {
-			return fmt.Errorf("%w: %w", ErrQperfThroughSidecar, err)
-		}
-		return err
-	}
-	return nil
-}
-
-// QperfSample combines tcp_lat and tcp_bw at one size. A request is a
-// round trip (two qperf messages); latency is qperf's (one way).
-func QperfSample(mode string, rep, size int, lat QperfResult, latCPU float64, bw QperfResult, bwCPU float64) Sample {
-	s := Sample{Mode: mode, Workload: WorkloadQperf, SizeBytes: size, Repeat: rep,
-		Metrics: map[string]float64{}, CPUSeconds: latCPU + bwCPU,
-		DurationSeconds: lat.TimeSeconds + bw.TimeSeconds}
-	if lat.LatencyUS > 0 {
-		s.Metrics[MetricLatencyAvg] = lat.LatencyUS
-		rate := lat.MsgRatePerSec
-		if rate == 0 {
-			rate = 1e6 / lat.LatencyUS
-		}
-		rtt := rate / 2
-		s.Metrics[MetricQPS] = rtt
-		s.Requests = int64(rtt * lat.TimeSeconds)
-		if s.Requests > 0 && latCPU > 0 {
-			s.Metrics[MetricCPUPer1kReqs] = latCPU / (float64(s.Requests) / 1000)
-		}
-	}
-	if bw.BandwidthBytesPerSec > 0 {
-		s.Metrics[MetricBandwidth] = bw.BandwidthBytesPerSec / 1e6
-		if gb := bw.BandwidthBytesPerSec * bw.TimeSeconds / 1e9; gb > 0 && bwCPU > 0 {
-			s.Metrics[MetricCPUPerGB] = bwCPU / gb
-		}
-	}
-	return s
-}
-
-func (r *runner) runUnix(ctx context.Context, rep int) error {
-	spec := WorkerSpec{
-		Workload:        WorkloadUnix,
-		DurationSeconds: r.opts.QperfDuration.Seconds(),
-		SizesBytes:      r.opts.Sizes,
-	}
-	timeout := time.Duration(2*len(r.opts.Sizes))*r.opts.QperfDuration + 60*time.Second
-	res, _, err := r.runWorker(ctx, spec, timeout)
-	if err != nil {
-		return err
-	}
-	for _, u := range res.Unix {
-		r.samples = append(r.samples, UnixSample(rep, u))
-	}
-	return nil
-}
-
-// UnixSample turns one size of the floor into a sample (same definitions as
-// QperfSample; CPU is the worker process's own).
-func UnixSample(rep int, u UnixResult) Sample {
-	s := Sample{Mode: ModeFloor, Workload: WorkloadUnix, SizeBytes: int(u.MsgSizeBytes), Repeat: rep,
-		Metrics: map[string]float64{}, CPUSeconds: u.LatCPUSeconds + u.BWCPUSeconds,
-		DurationSeconds: u.LatSeconds + u.BWSeconds, Requests: u.RoundTrips}
-	if u.LatencyUS > 0 {
-		s.Metrics[MetricLatencyAvg] = u.LatencyUS
-		s.Metrics[MetricQPS] = u.MsgRatePerSec / 2
-		if u.RoundTrips > 0 && u.LatCPUSeconds > 0 {
-			s.Metrics[MetricCPUPer1kReqs] = u.LatCPUSeconds / (float64(u.RoundTrips) / 1000)
-		}
-	}
-	if u.BandwidthBytesPerSec > 0 {
-		s.Metrics[MetricBandwidth] = u.BandwidthBytesPerSec / 1e6
-		if u.StreamBytes > 0 && u.BWCPUSeconds > 0 {
-			s.Metrics[MetricCPUPerGB] = u.BWCPUSeconds / (float64(u.StreamBytes) / 1e9)
-		}
-	}
-	return s
-}
-
 func (r *runner) config() Config {
 	o := r.opts
 	c := Config{
@@ -757,11 +471,19 @@ func (r *runner) config() Config {
 		LatencyDefinitionQperf: "qperf and unix latency is qperf's tcp_lat: one way, half a round trip; " +
 			"their qps is round trips per second; http/tcp latency is fortio's request round trip",
 	}
-	if o.hasWorkload(WorkloadHTTP) {
+	if o.hasWorkload(WorkloadHTTP) || o.hasWorkload(WorkloadHTTPClose) || o.hasWorkload(WorkloadHTTPC1) {
 		c.HTTPURL = r.httpURL()
 	}
-	if o.hasWorkload(WorkloadTCP) {
+	if o.hasWorkload(WorkloadTCP) || o.hasWorkload(WorkloadTCPC1) {
 		c.TCPTarget = r.tcpTarget()
+	}
+	if o.hasWorkload(WorkloadHTTPClose) {
+		c.CloseConnections = o.CloseConnections
+	}
+	if o.hasWorkload(WorkloadRedis) {
+		c.RedisTarget = r.redisTarget()
+		c.RedisBenchmark = fmt.Sprintf("redis-benchmark -c %d -t %s -n N (N for about %gs per command), and again with -P %d; qps = requests of both commands / their time, latency = mean of the two commands' figures",
+			redisClients, redisTests, o.Duration.Seconds(), redisPipeline)
 	}
 	if o.hasWorkload(WorkloadQperf) {
 		listen, _ := r.qperfListenPort()

@@ -298,3 +298,59 @@ func TestRunQperfLoopbackUsesServerPod(t *testing.T) {
 		t.Fatalf("no qperf result: %+v", r)
 	}
 }
+
+// TestRunCostWorkloadsOnLoopback runs the cost workloads (connection per
+// request, one connection, redis) in every mode on loopback: each gives
+// non-zero figures, and every mode with an agent reports its idle cost.
+func TestRunCostWorkloadsOnLoopback(t *testing.T) {
+	env := newLoopEnv(t)
+	workloads := []string{WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1}
+	rows := slices.Clone(workloads)
+	if _, err := exec.LookPath("redis-server"); err == nil {
+		workloads = append(workloads, WorkloadRedis)
+		rows = append(rows, WorkloadRedis, WorkloadRedisPipelined)
+	} else {
+		t.Log("redis-server not installed (scripts/install-deps.sh installs it): redis not run")
+	}
+	agent := &fakeAgent{}
+	opts := Options{Duration: 300 * time.Millisecond, Repeat: 1, CloseConnections: 4, Workloads: workloads}
+	rep, err := Run(context.Background(), opts, env, agent.start, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Failures) > 0 {
+		t.Fatalf("failures: %v", rep.Failures)
+	}
+	for _, m := range AllModes {
+		for _, w := range rows {
+			r := rep.FindResult(m, w, 0)
+			if r == nil || r.QPS == nil || *r.QPS <= 0 || r.LatencyUS == nil || r.LatencyUS.P50 == nil || *r.LatencyUS.P50 <= 0 {
+				t.Fatalf("%s %s: %+v", m, w, r)
+			}
+			if (r.Hops != nil) != ModeAgent(m) {
+				t.Errorf("%s %s: hops %+v", m, w, r.Hops)
+			}
+		}
+		idle := rep.FindResult(m, WorkloadIdle, 0)
+		if (idle != nil) != ModeAgent(m) {
+			t.Errorf("%s: idle result %+v", m, idle)
+		}
+		if idle != nil && (idle.Hops == nil || idle.Hops.Cost == nil || idle.Hops.Cost.ProcessRSSBytes <= 0) {
+			t.Errorf("%s: no agent cost at idle: %+v", m, idle.Hops)
+		}
+	}
+	for _, s := range rep.Runs {
+		if s.Workload == WorkloadHTTPC1 && s.Errors > 0 {
+			t.Errorf("%s http-c1: %d errors", s.Mode, s.Errors)
+		}
+	}
+	var buf strings.Builder
+	if err := rep.WriteTable(&buf); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"one connection per request", "1 connection", "What the agent costs"} {
+		if !strings.Contains(buf.String(), want) {
+			t.Errorf("table has no %q:\n%s", want, buf.String())
+		}
+	}
+}

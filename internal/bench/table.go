@@ -95,13 +95,19 @@ func leftAlign(head []string, rows [][]string, col string) [][]string {
 func (r *Report) Tables() []Table {
 	var out []Table
 	c := r.Config
-	for _, wl := range []string{WorkloadHTTP, WorkloadTCP} {
+	for _, wl := range []string{WorkloadHTTP, WorkloadTCP, WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1} {
 		if slices.Contains(c.Workloads, wl) {
 			out = append(out, r.fortioTable(wl))
 		}
 	}
+	if slices.Contains(c.Workloads, WorkloadRedis) {
+		out = append(out, r.fortioTable(WorkloadRedis), r.fortioTable(WorkloadRedisPipelined))
+	}
 	if slices.Contains(c.Workloads, WorkloadQperf) || slices.Contains(c.Workloads, WorkloadUnix) {
 		out = append(out, r.sizeTable())
+	}
+	if t, ok := r.costTable(); ok {
+		out = append(out, t)
 	}
 	if c.Repeat < 2 {
 		// one repeat has no spread
@@ -132,18 +138,13 @@ func dropColumn(t Table, name string) Table {
 }
 
 func (r *Report) fortioTable(wl string) Table {
-	c := r.Config
-	title := "HTTP: fortio " + c.HTTPURL
-	if wl == WorkloadTCP {
-		title = fmt.Sprintf("TCP echo: fortio tcp://%s, %d B payload", c.TCPTarget, c.PayloadBytes)
-	}
 	t := Table{
-		Title:       fmt.Sprintf("%s, %d connections, qps max, %gs runs", title, c.Connections, c.DurationSeconds),
+		Title:       r.workloadTitle(wl),
 		LeftColumns: 1,
 		Head: []string{"mode", "qps", "[min..max]", "avg us", "p50 us", "p90 us", "p99 us", "cpu s/1k req",
 			"qps vs sidecar", "p50 vs sidecar", "qps vs direct", "p50 vs direct"},
 	}
-	for _, m := range c.Modes {
+	for _, m := range r.Config.Modes {
 		res := r.FindResult(m, wl, 0)
 		if res == nil {
 			t.Rows = append(t.Rows, padRow([]string{m, "(no result)"}, len(t.Head)))
@@ -164,6 +165,30 @@ func (r *Report) fortioTable(wl string) Table {
 		t.Footer = append(t.Footer, r.breakdownLines()...)
 	}
 	return t
+}
+
+// workloadTitle says what a workload of a per-mode table ran.
+func (r *Report) workloadTitle(wl string) string {
+	c := r.Config
+	http := "HTTP: fortio " + c.HTTPURL
+	tcp := fmt.Sprintf("TCP echo: fortio tcp://%s, %d B payload", c.TCPTarget, c.PayloadBytes)
+	runs := fmt.Sprintf("qps max, %gs runs", c.DurationSeconds)
+	switch wl {
+	case WorkloadTCP:
+		return fmt.Sprintf("%s, %d connections, %s", tcp, c.Connections, runs)
+	case WorkloadHTTPClose:
+		return fmt.Sprintf("HTTP, one connection per request (Connection: close): fortio %s, %d connections, %s (pods: tcp_tw_reuse=1, wide ip_local_port_range)",
+			c.HTTPURL, c.CloseConnections, runs)
+	case WorkloadHTTPC1:
+		return fmt.Sprintf("%s, 1 connection, %s", http, runs)
+	case WorkloadTCPC1:
+		return fmt.Sprintf("%s, 1 connection, %s", tcp, runs)
+	case WorkloadRedis:
+		return fmt.Sprintf("redis: redis-benchmark -c %d -t %s against redis-server %s (SET and GET combined)", redisClients, redisTests, c.RedisTarget)
+	case WorkloadRedisPipelined:
+		return fmt.Sprintf("redis pipelined: redis-benchmark -c %d -P %d -t %s against redis-server %s (SET and GET combined)", redisClients, redisPipeline, redisTests, c.RedisTarget)
+	}
+	return fmt.Sprintf("%s, %d connections, %s", http, c.Connections, runs)
 }
 
 func (r *Report) sizeTable() Table {
@@ -283,6 +308,7 @@ func (r *Report) hopLines(wl string, size int) []string {
 			line += "; connections left to TCP (worst repeat): " + strings.Join(left, ", ")
 		}
 		out = append(out, line)
+		out = append(out, programLines(m+at, h)...)
 	}
 	return out
 }

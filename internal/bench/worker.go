@@ -103,6 +103,8 @@ type WorkerSpec struct {
 	PayloadBytes    int     `json:"payload_bytes,omitempty"`
 	// ResolutionSeconds is the histogram bucket width unit (fortio -r).
 	ResolutionSeconds float64 `json:"resolution_seconds,omitempty"`
+	// DisableKeepAlive opens one connection per HTTP request (`Connection: close`).
+	DisableKeepAlive bool `json:"disable_keepalive,omitempty"`
 	// SizesBytes are the message sizes of the unix floor.
 	SizesBytes []int `json:"sizes_bytes,omitempty"`
 }
@@ -191,6 +193,7 @@ func runnerOptions(ctx context.Context, spec WorkerSpec) periodic.RunnerOptions 
 func runFortioHTTP(ctx context.Context, spec WorkerSpec) (WorkerResult, error) {
 	o := fhttp.HTTPRunnerOptions{RunnerOptions: runnerOptions(ctx, spec)}
 	o.URL = spec.Target
+	o.DisableKeepAlive = spec.DisableKeepAlive
 	o.HTTPOptions.Resolution = o.RunnerOptions.Resolution
 	// the seeds ran fortio with -httpbufferkb=64
 	fhttp.BufferSizeKb = 64

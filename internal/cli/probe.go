@@ -45,6 +45,17 @@ Checked:
   links          sock_ops bpf_link on a throwaway child cgroup; sk_msg bpf_link on a
                  SOCKHASH (Linux 6.10, optional)
 
+Then the features that differ between kernels (supported: Linux >= 6.1), each on
+(and how) or off (and why):
+  sk_msg attach     a pinned sockmap link (>= 6.10), else BPF_PROG_ATTACH to the pinned
+                    SOCKHASH (6.1 .. 6.9)
+  meshwarp tap      off before 6.10 (it swaps its program inside the sockmap link)
+  cross-node        off without tcx links (< 6.6): --cross-node is ignored with a warning
+  client read time  off without tracepoint sock:sock_recv_length (< 6.3): trace and
+                    bench lack the client_app point
+  receiver backlog  exact with sk_psock msg_tot_len (6.6.128+, 6.12.75+, 6.18.14+), else
+                    counted from the first 64 queued messages
+
 Everything the probe loads, attaches or creates is removed before it exits; the
 only lasting change is the bpffs mount (skip it with --no-mount).
 
@@ -82,7 +93,7 @@ its fix), 2 bad flags.`,
 			return nil
 		},
 	}
-	cmd.Flags().BoolVar(&asJSON, "json", false, "print the report as JSON (keys: kernel, checks[name,status,detail,fix,required], ready, verdict)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the report as JSON (keys: kernel, checks[name,status,detail,fix,required], ready, verdict, features[name,on,how,reason])")
 	cmd.Flags().BoolVar(&noMount, "no-mount", false, "do not mount bpffs when it is missing (report it instead)")
 	cmd.Flags().StringVar(&bpffs, "bpffs", probe.DefaultBPFFSPath, "bpffs directory meshwarp pins under")
 	return cmd
@@ -116,8 +127,31 @@ func writeProbeTable(w io.Writer, r probe.Report) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	if err := writeFeatures(w, r.Features); err != nil {
+		return err
+	}
 	_, err := fmt.Fprintf(w, "\n%s\n", r.Verdict)
 	return err
+}
+
+// writeFeatures prints what differs on this kernel: each kernel-dependent
+// feature, on (and how) or off (and why). `probe` and `status` share it.
+func writeFeatures(w io.Writer, features []probe.Feature) error {
+	if len(features) == 0 {
+		return nil
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "\nFEATURE (this kernel)\tSTATE\tHOW / WHY")
+	for _, f := range features {
+		state, text := "on", f.How
+		if !f.On {
+			state, text = "off", f.Reason
+		} else if f.Reason != "" {
+			text += "; " + f.Reason
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\n", f.Name, state, oneLine(text))
+	}
+	return tw.Flush()
 }
 
 func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }

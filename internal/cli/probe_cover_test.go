@@ -10,13 +10,12 @@ import (
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/crossnode"
 	"github.com/meshwarp/meshwarp/internal/probe"
-	"github.com/meshwarp/meshwarp/internal/tap"
 )
 
 // A "ready" probe must mean `meshwarp run` can load its programs: every
 // program type, map type and helper the BPF object uses has a probe check.
 func TestProbeCoversAccelObject(t *testing.T) {
-	for name, load := range map[string]func() (*ebpf.CollectionSpec, error){"accel": accel.Spec, "tap": tap.Spec, "crossnode": crossnode.Spec} {
+	for name, load := range map[string]func() (*ebpf.CollectionSpec, error){"accel": accel.Spec, "crossnode": crossnode.Spec} {
 		spec, err := load()
 		if err != nil {
 			t.Fatal(err)

@@ -328,7 +328,7 @@ func TestPrivilegedRefusal(t *testing.T) {
 				<-done
 			}
 		}()
-		link := filepath.Join(pinDir, "mw_sockops_link")
+		link := filepath.Join(pinDir, accel.SockopsLinkPin)
 		deadline := time.After(time.Minute)
 		tick := time.NewTicker(20 * time.Millisecond)
 		defer tick.Stop()

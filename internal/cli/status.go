@@ -15,6 +15,7 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/crossnode"
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
 func newStatusCommand(g *Global) *cobra.Command {
@@ -72,7 +73,7 @@ attached). Counters are cumulative across agent restarts.
    that port stay on TCP:
     splice_reader   read it with splice(2) (sees only the TCP queue)
     waitall_reader  recv(MSG_WAITALL) (the redirect queue returns what it holds)
-    oob             sent or read MSG_OOB (redirected bytes carry no urgent mark)
+    oob             SO_OOBINLINE set, or (learned) sent or read MSG_OOB: redirected bytes carry no urgent mark
     unread_close    closed it with unread bytes (TCP would send RST; the redirect path FIN)
     disconnect      connect(AF_UNSPEC) on it (the redirect queue outlives the connection)
   removed_sockets_by_reason  sockets kept off the SOCKHASH (the connecting socket of a
@@ -97,7 +98,10 @@ attached). Counters are cumulative across agent restarts.
                           (verified) and which families it redirects (netfilter rules in
                           the node's forwarding hooks, or IPv4 rp_filter, turn a family off;
                           ipv4_blocked_by / ipv6_blocked_by list them, read from the node
-                          when status runs)`,
+                          when status runs)
+  kernel_features_differ  what this kernel does differently (the features of
+                          'meshwarp probe' that are off, or use an older mechanism), each
+                          with why: e.g. on 6.1 meshwarp tap and --cross-node are off`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			s, err := accel.ReadPinnedStats(pinDir)
@@ -111,12 +115,30 @@ attached). Counters are cumulative across agent restarts.
 				s.CrossNode.NameNodes()
 				s.CrossNode.Explain(cmd.Context())
 			}
+			// What this kernel does differently (probe.KernelFeatures): the
+			// same rows `meshwarp probe` prints, those that are off or use
+			// an older mechanism.
+			var differs []probe.Feature
+			for _, f := range probe.KernelFeatures() {
+				if !f.On || f.Reason != "" {
+					differs = append(differs, f)
+				}
+			}
 			if asJSON {
 				enc := json.NewEncoder(cmd.OutOrStdout())
 				enc.SetIndent("", "  ")
-				return enc.Encode(s)
+				return enc.Encode(struct {
+					accel.Stats
+					KernelFeatures []probe.Feature `json:"kernel_features_differ,omitempty"`
+				}{s, differs})
 			}
 			printStatus(cmd.OutOrStdout(), pinDir, s)
+			if len(differs) > 0 {
+				fmt.Fprintf(cmd.OutOrStdout(), "\non this kernel (see meshwarp probe):\n")
+				if err := writeFeatures(cmd.OutOrStdout(), differs); err != nil {
+					return err
+				}
+			}
 			return nil
 		},
 	}

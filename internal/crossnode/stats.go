@@ -75,7 +75,7 @@ var ErrNotInstalled = errors.New("cross-node forwarding is not installed")
 
 // ReadPinnedStats reads the counters pinned under pinDir.
 func ReadPinnedStats(pinDir string) (Stats, error) {
-	p := filepath.Join(pinDir, "mw_xn_stats")
+	p := filepath.Join(pinDir, crossnodeMapMwXnStats)
 	m, err := ebpf.LoadPinnedMap(p, &ebpf.LoadPinOptions{ReadOnly: true})
 	if errors.Is(err, os.ErrNotExist) {
 		return Stats{}, ErrNotInstalled
@@ -107,7 +107,7 @@ func ReadPinnedStats(pinDir string) (Stats, error) {
 			s.Devices++
 		}
 	}
-	s.Nodes, err = readNodes(filepath.Join(pinDir, "mw_xn_nodes"))
+	s.Nodes, err = readNodes(filepath.Join(pinDir, crossnodeMapMwXnNodes))
 	return s, err
 }
 

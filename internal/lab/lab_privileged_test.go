@@ -169,6 +169,16 @@ func TestPrivilegedUpDownLeavesNothing(t *testing.T) {
 		if got := rootLabLinks(t); len(got) != len(linksBefore) {
 			t.Errorf("lab created links in the root namespace: %v", got)
 		}
+		// the pods' own sysctls (per network namespace)
+		for _, p := range l.Pods() {
+			for _, kv := range PodSysctls {
+				key := strings.ReplaceAll(kv[0], "/", ".")
+				out, err := exec.Command("ip", "netns", "exec", p.Netns, "sysctl", "-n", key).Output()
+				if got := strings.Join(strings.Fields(string(out)), " "); err != nil || got != kv[1] {
+					t.Errorf("%s in %s: %q (%v), want %q", key, p.Name, got, err, kv[1])
+				}
+			}
+		}
 
 		// up twice is harmless: same processes, still healthy.
 		l2, err := Up(ctx, Options{Pods: 3, Capture: true}, testLogger(t))

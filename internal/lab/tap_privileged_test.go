@@ -54,7 +54,7 @@ func TestPrivilegedTapThroughSidecars(t *testing.T) {
 	}()
 	// The tap is in place once its program runs in the agent's link.
 	deadline := time.Now().Add(10 * time.Second)
-	for !skmsgIs(t, pinDir, "mw_skmsg_tap") {
+	for !skmsgIs(t, pinDir, accel.TapProgram) {
 		if time.Now().After(deadline) {
 			cancel()
 			t.Fatalf("tap never attached: %v", (<-done).err)

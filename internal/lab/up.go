@@ -247,6 +247,11 @@ func (l *Lab) ensureNetwork(ctx context.Context) error {
 				return fmt.Errorf("configure %s: %w", p.Name, err)
 			}
 		}
+		for _, kv := range PodSysctls {
+			if err := writeSysctlIn(p.Netns, kv[0], kv[1]); err != nil {
+				return err
+			}
+		}
 	}
 	return nil
 }

@@ -62,6 +62,10 @@ const (
 	configTC       = "CONFIG_NET_CLS_BPF=y and CONFIG_NET_XGRESS=y"
 	kernelTrace    = "4.7"
 	kernelLinkSock = "6.10"
+	// kernelOldest is the oldest kernel meshwarp is tested on (a VM in
+	// scripts/vmtest.sh). What it needs came by 5.15 (bpf_timer, the newest
+	// required helper); 5.15 itself is not tested.
+	kernelOldest = "6.1"
 )
 
 // programTypes, mapTypes and helpers list what the BPF objects use; a test
@@ -79,7 +83,7 @@ var programTypes = []struct {
 	{"prog tracepoint", ebpf.TracePoint, false, "syscall watches (run --learn-from-syscalls)", configTrace},
 	{"prog tracing", ebpf.Tracing, false, "observation: the client application's read (tp_btf sock:sock_recv_length)", configTrace},
 	{"prog cgroup_skb", ebpf.CGroupSKB, false, "observation of connections that are not accelerated (run --observe)", configCgroup},
-	{"prog sched_cls", ebpf.SchedCLS, false, "cross-node forwarding (run --cross-node; tcx links, Linux 6.6)", configTC},
+	{"prog sched_cls", ebpf.SchedCLS, false, "cross-node forwarding (run --cross-node; tcx links, Linux 6.6: see the features below)", configTC},
 }
 
 func (p *prober) programTypes() {
@@ -141,12 +145,14 @@ var helpers = []struct {
 	{ebpf.SkMsg, "sk_msg", asm.FnMsgRedirectHash, "bpf_msg_redirect_hash", "the redirect itself", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnSkStorageGet, "bpf_sk_storage_get", "per-socket decision cache", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnSkcToTcpSock, "bpf_skc_to_tcp_sock", "sees bytes written before pairing (early_data)", configBTF},
+	{ebpf.SkMsg, "sk_msg", asm.FnKtimeGetCoarseNs, "bpf_ktime_get_coarse_ns", "when a socket last redirected (keeps its FIN behind it; Linux 5.11)", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnMsgPullData, "bpf_msg_pull_data", "meshwarp tap: reads the message payload", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnRingbufOutput, "bpf_ringbuf_output", "meshwarp tap: hands messages to user space", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnGetNetnsCookie, "bpf_get_netns_cookie", "meshwarp tap --pod/--netns", configSockMsg},
 	{ebpf.Tracing, "tracing", asm.FnSkStorageGet, "bpf_sk_storage_get", "observation: per-socket state at the client's read (Linux 5.11; probed as the tracepoint's BTF)", configTrace},
 	{ebpf.CGroupSockopt, "cgroup_sockopt", asm.FnSkStorageGet, "bpf_sk_storage_get", "finds the connection of a socket whose options change", configCgroup},
-	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkFullsock, "bpf_sk_fullsock", "observation: the segment's socket", configCgroup},
+	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkFullsock, "bpf_sk_fullsock", "observation and FIN order: the segment's socket", configCgroup},
+	{ebpf.CGroupSKB, "cgroup_skb", asm.FnKtimeGetCoarseNs, "bpf_ktime_get_coarse_ns", "FIN order: whether a redirect may be on its way", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkStorageGet, "bpf_sk_storage_get", "observation: per-socket state", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkbLoadBytes, "bpf_skb_load_bytes", "observation: the segment's first bytes", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnGetSocketUid, "bpf_get_socket_uid", "observation: a socket older than the agent, its owner", configCgroup},
@@ -384,9 +390,6 @@ func attachCgroupLink(root string) (where string, err error) {
 	return where, l.Close()
 }
 
-// sockmapLink attaches an sk_msg program to an empty SOCKHASH with
-// BPF_LINK_CREATE (Linux 6.10). Required: the agent pins the sk_msg link so a
-// restarted agent can replace the program atomically.
 // spliceLimitation names what no kernel meshwarp runs on can do yet: splice(2)
 // from a socket reads only its TCP queue (tcp_splice_read), never the queue
 // that redirected bytes wait in. Upstream patches adding splice_read to
@@ -418,8 +421,13 @@ func (p *prober) receiveLimitation() {
 		Fix: "exclude the ports of programs that rely on these up front: --exclude-ports"})
 }
 
+// sockmapLink attaches an sk_msg program to an empty SOCKHASH with
+// BPF_LINK_CREATE (Linux 6.10): the agent pins the link so a restarted agent
+// can replace the program atomically. Optional: without it (Linux < 6.10) the agent attaches
+// sk_msg with BPF_PROG_ATTACH to the pinned SOCKHASH, and `meshwarp tap` is
+// off (see KernelFeatures).
 func (p *prober) sockmapLink() {
-	p.feature(CheckSockmapLink, true, "sk_msg attach as a pinnable link (Linux 6.10)",
+	p.feature(CheckSockmapLink, false, "sk_msg attach as a pinnable link (Linux 6.10); without it: BPF_PROG_ATTACH to the pinned SOCKHASH, and no meshwarp tap",
 		kernelLinkSock, configSockMsg, attachSockmapLink)
 }
 

@@ -136,3 +136,69 @@ func TestPrivilegedAtomicProbeRejects(t *testing.T) {
 		t.Errorf("undefined atomic op: %v; want ErrNotSupported", err)
 	}
 }
+
+// TestPrivilegedProbeKernelFeatures checks the kernel-dependent rows on the
+// running kernel (the host, and each VM of scripts/vmtest.sh): every feature
+// is listed, off ones say why and from which release, and the answers agree
+// with the release where it is known when the kernel gained the feature.
+// The probe itself never decides by version; this test does, as a second
+// opinion.
+func TestPrivilegedProbeKernelFeatures(t *testing.T) {
+	requireRoot(t)
+	r := Run(Options{MountBPFFS: true})
+	if !r.Ready {
+		t.Fatalf("not ready on Linux %s (supported: >= %s): %s", r.Kernel, MinKernel, r.Verdict)
+	}
+	got := map[string]Feature{}
+	for _, f := range r.Features {
+		t.Logf("%-22s on=%-5v how=%q reason=%q", f.Name, f.On, f.How, f.Reason)
+		got[f.Name] = f
+		if !f.On && !strings.Contains(f.Reason, "Linux ") {
+			t.Errorf("%s is off without naming the kernel that has it: %q", f.Name, f.Reason)
+		}
+		if f.On && f.How == "" {
+			t.Errorf("%s is on without saying how", f.Name)
+		}
+	}
+	p := &prober{}
+	p.version, _ = parseKernelRelease(r.Kernel)
+	for _, want := range []struct {
+		name    string
+		on      bool
+		howHas  string // when on
+		release string // the feature is on from this release
+	}{
+		{FeatureSkMsgAttach, true, "link", kernelLinkSock},
+		{FeatureTap, true, "link", kernelLinkSock},
+		{FeatureCrossNode, true, "tcx", kernelTCX},
+		{FeatureClientRead, true, "sock_recv_length", kernelRecvTP},
+		{FeatureRedirectLoad, true, "", ""},
+		{FeatureFIONREAD, true, "msg_tot_len", "6.12.75"},
+	} {
+		f, ok := got[want.name]
+		if !ok {
+			t.Errorf("no feature row %q", want.name)
+			continue
+		}
+		if want.release == "" {
+			if !f.On {
+				t.Errorf("%s off: %s", f.Name, f.Reason)
+			}
+			continue
+		}
+		newEnough := p.kernelAtLeast(want.release)
+		switch {
+		case newEnough && !f.On:
+			t.Errorf("%s off on Linux %s (>= %s): %s", f.Name, r.Kernel, want.release, f.Reason)
+		case newEnough && !strings.Contains(f.How, want.howHas):
+			t.Errorf("%s on Linux %s (>= %s) done by %q, want %s", f.Name, r.Kernel, want.release, f.How, want.howHas)
+		case !newEnough && f.Name != FeatureSkMsgAttach && f.On:
+			t.Errorf("%s on for Linux %s (< %s): %s", f.Name, r.Kernel, want.release, f.How)
+		case !newEnough && f.Name == FeatureSkMsgAttach && (!f.On || !strings.Contains(f.How, "BPF_PROG_ATTACH")):
+			t.Errorf("%s on Linux %s (< %s): on=%v how=%q, want BPF_PROG_ATTACH", f.Name, r.Kernel, want.release, f.On, f.How)
+		}
+	}
+	if c, _ := r.Check(CheckSockmapLink); c.Required {
+		t.Errorf("%s is required; kernels without it attach with BPF_PROG_ATTACH", c.Name)
+	}
+}

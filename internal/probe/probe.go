@@ -49,6 +49,8 @@ type Report struct {
 	Ready bool `json:"ready"`
 	// Verdict is a one-line human summary: "ready: ..." or "not ready: ...".
 	Verdict string `json:"verdict"`
+	// Features are the kernel-dependent parts: on (how) or off (why).
+	Features []Feature `json:"features,omitempty"`
 }
 
 // Names of the checks other packages may look up with Report.Check.

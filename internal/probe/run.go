@@ -19,10 +19,10 @@ import (
 // DefaultBPFFSPath is where meshwarp pins its maps and links.
 const DefaultBPFFSPath = "/sys/fs/bpf"
 
-// MinKernel is the oldest kernel that has everything `meshwarp run` needs:
-// the sk_msg program attached to the SOCKHASH as a pinnable link came last
-// (BPF_LINK_CREATE for sockmaps, Linux 6.10).
-const MinKernel = kernelLinkSock
+// MinKernel is the oldest kernel meshwarp supports: the oldest it is tested
+// on (6.1 LTS, in a VM: scripts/vmtest.sh). What differs between kernels is
+// probed feature by feature (KernelFeatures), never inferred from the version.
+const MinKernel = kernelOldest
 
 const btfVmlinux = "/sys/kernel/btf/vmlinux"
 
@@ -79,7 +79,11 @@ func Run(opts Options) Report {
 	p.sockmapLink()
 	p.spliceLimitation()
 	p.receiveLimitation()
-	return NewReport(p.release, p.checks)
+	r := NewReport(p.release, p.checks)
+	if p.bpfErr == nil {
+		r.Features = KernelFeatures()
+	}
+	return r
 }
 
 type prober struct {

@@ -3,27 +3,24 @@
 package tap
 
 import (
-	"errors"
 	"fmt"
-	"slices"
 	"strings"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/link"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
 )
 
 // The tap's program stands in for the agent's, so it must run with the
 // agent's load-time settings (redirect budget, small streams, sidecar uid and
 // ports, observation on or off, ...): the ones the agent's program was
-// loaded with, read back from the kernel, never the defaults. The tap object
-// is the agent's source plus the tap, so its .rodata holds every variable of
-// the agent's .rodata and the tap's own; variables are matched by name (the
-// two layouts differ), and the agent's layout comes from the BTF the kernel
-// keeps for the agent's .rodata map, so it is the layout as loaded.
-
-// rodataSection is the ELF and BTF name of the load-time constants.
-const rodataSection = ".rodata"
+// loaded with, read back from the kernel, never the defaults. The tap's
+// program is a program of the agent's object (bpf/accel/tap.h), so its
+// .rodata has the same variables; they are matched by name, and the agent's
+// layout comes from the BTF the kernel keeps for the agent's .rodata map, so
+// it is the layout as loaded (accel.LoadTap refuses another build's).
 
 // linkedProgram returns the program l runs now; the caller closes it.
 func linkedProgram(l link.Link) (*ebpf.Program, error) {
@@ -73,7 +70,7 @@ func rodataValues(m *ebpf.Map) (map[string][]byte, bool, error) {
 	if err != nil {
 		return nil, false, fmt.Errorf("read map info: %w", err)
 	}
-	if !strings.HasSuffix(mi.Name, rodataSection) || mi.Type != ebpf.Array || mi.MaxEntries != 1 {
+	if !strings.HasSuffix(mi.Name, accel.RodataSection) || mi.Type != ebpf.Array || mi.MaxEntries != 1 {
 		return nil, false, nil
 	}
 	btfID, ok := mi.BTFID()
@@ -90,8 +87,8 @@ func rodataValues(m *ebpf.Map) (map[string][]byte, bool, error) {
 		return nil, true, fmt.Errorf("read the BTF of map %s: %w", mi.Name, err)
 	}
 	var ds *btf.Datasec
-	if err := spec.TypeByName(rodataSection, &ds); err != nil {
-		return nil, true, fmt.Errorf("find %s in the BTF of map %s: %w", rodataSection, mi.Name, err)
+	if err := spec.TypeByName(accel.RodataSection, &ds); err != nil {
+		return nil, true, fmt.Errorf("find %s in the BTF of map %s: %w", accel.RodataSection, mi.Name, err)
 	}
 	value := make([]byte, mi.ValueSize)
 	if err := m.Lookup(uint32(0), &value); err != nil {
@@ -106,28 +103,4 @@ func rodataValues(m *ebpf.Map) (map[string][]byte, bool, error) {
 		consts[v.Name] = value[vs.Offset : vs.Offset+vs.Size]
 	}
 	return consts, true, nil
-}
-
-// errOtherBuild: the agent's program lacks a variable the tap's expects.
-var errOtherBuild = errors.New("the agent runs another meshwarp build than this tap: use the agent's meshwarp binary, or restart `meshwarp run` with this one")
-
-// useConstants sets every .rodata variable of spec, except the tap's own,
-// to the value in consts.
-func useConstants(spec *ebpf.CollectionSpec, consts map[string][]byte, own ...string) error {
-	for name, v := range spec.Variables {
-		if v.SectionName != rodataSection || slices.Contains(own, name) {
-			continue
-		}
-		b, ok := consts[name]
-		if !ok {
-			return fmt.Errorf("%w (its sk_msg program has no %s)", errOtherBuild, name)
-		}
-		if len(b) != int(v.Size()) {
-			return fmt.Errorf("%w (%s: %d bytes there, %d here)", errOtherBuild, name, len(b), v.Size())
-		}
-		if err := v.Set(b); err != nil {
-			return fmt.Errorf("set %s: %w", name, err)
-		}
-	}
-	return nil
 }

@@ -49,7 +49,7 @@ func newPcapWriter(out io.Writer, snaplen int) (*pcapWriter, error) {
 	unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
 	return &pcapWriter{
 		ng:        ng,
-		hdrLen:    binary.Size(tapMwTapRec{}),
+		hdrLen:    binary.Size(accel.TapRecord{}),
 		clockBase: time.Now().Add(-time.Duration(ts.Nano())),
 		conns:     map[[2]uint32]*connState{},
 		hops:      accel.HopNames(),
@@ -58,7 +58,7 @@ func newPcapWriter(out io.Writer, snaplen int) (*pcapWriter, error) {
 
 // endpoint decodes an mw_endpoint: addresses are network-order words that
 // Go read in native (little-endian) order.
-func endpoint(e tapMwEndpoint) netip.AddrPort {
+func endpoint(e accel.TapEndpoint) netip.AddrPort {
 	var b [16]byte
 	for i, w := range e.Addr {
 		binary.NativeEndian.PutUint32(b[4*i:], w)
@@ -72,7 +72,7 @@ func (w *pcapWriter) message(raw []byte) (int, error) {
 	if len(raw) < w.hdrLen {
 		return 0, fmt.Errorf("short tap record (%d bytes)", len(raw))
 	}
-	var r tapMwTapRec
+	var r accel.TapRecord
 	if _, err := binary.Decode(raw[:w.hdrLen], binary.NativeEndian, &r); err != nil {
 		return 0, err
 	}

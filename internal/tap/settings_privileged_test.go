@@ -109,7 +109,7 @@ func TestPrivilegedTapKeepsAgentSettings(t *testing.T) {
 // sk_msg link runs.
 func linkState(t *testing.T, pinDir string) (ebpf.ProgramID, map[string][]byte) {
 	t.Helper()
-	l, err := link.LoadPinnedLink(filepath.Join(pinDir, skmsgLinkPin), nil)
+	l, err := link.LoadPinnedLink(filepath.Join(pinDir, accel.SkmsgLinkPin), nil)
 	if err != nil {
 		t.Fatal(err)
 	}

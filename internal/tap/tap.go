@@ -17,13 +17,13 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/ringbuf"
 	"golang.org/x/sys/unix"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/netns"
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
 // Options say what to tap and where to write.
@@ -57,12 +57,8 @@ var (
 	ErrBadOptions = errors.New("bad tap options")
 	// ErrBusy: another tap holds the agent's link; nothing was attached.
 	ErrBusy = errors.New("another tap is running")
-)
-
-const (
-	skmsgLinkPin = "mw_skmsg_link"
-	// tapProgram is the tap's sk_msg program (bpf/tap/tap.bpf.c).
-	tapProgram = "mw_skmsg_tap"
+	// ErrUnsupported: this kernel cannot tap (probe.FeatureTap is off).
+	ErrUnsupported = errors.New("not supported by this kernel")
 )
 
 // Run taps until ctx ends, Count messages were seen or Duration passed.
@@ -79,7 +75,13 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 	if o.Count < 0 || o.Duration < 0 {
 		return res, fmt.Errorf("%w: --count and --duration must not be negative", ErrBadOptions)
 	}
-	linkPin := filepath.Join(o.PinDir, skmsgLinkPin)
+	linkPin := filepath.Join(o.PinDir, accel.SkmsgLinkPin)
+	if lerr := probe.HaveSockmapLink(); lerr != nil {
+		// The agent attached its sk_msg program to the map itself; the tap
+		// could only replace it there without a way to hand it back atomically.
+		return res, fmt.Errorf("%w: %s is off on this kernel: it swaps its program into the agent's sk_msg link, "+
+			"and sockmap links came in Linux 6.10 (%v)", ErrUnsupported, probe.FeatureTap, lerr)
+	}
 	if _, err := os.Stat(linkPin); err != nil {
 		return res, fmt.Errorf("%w at %s (%v): start `meshwarp run`, or pass its --pin-dir", ErrNoAgent, o.PinDir, err)
 	}
@@ -108,65 +110,26 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 	defer agentProg.Close()
 	if info, err := agentProg.Info(); err != nil {
 		return res, fmt.Errorf("read the agent's sk_msg program: %w", err)
-	} else if info.Name == tapProgram {
+	} else if info.Name == accel.TapProgram {
 		return res, fmt.Errorf("%w: the agent's sk_msg link %s runs %s; wait for that tap to end "+
-			"(if it was killed, restart `meshwarp run`, which puts the agent's program back)", ErrBusy, linkPin, tapProgram)
+			"(if it was killed, restart `meshwarp run`, which puts the agent's program back)", ErrBusy, linkPin, accel.TapProgram)
 	}
 	agentConsts, err := loadedConstants(agentProg)
 	if err != nil {
 		return res, fmt.Errorf("read the agent's settings from its sk_msg program: %w", err)
 	}
 
-	spec, err := loadTap()
-	if err != nil {
-		return res, fmt.Errorf("load tap spec: %w", err)
-	}
-	var vars tapVariableSpecs
-	if err := spec.Assign(&vars); err != nil {
-		return res, fmt.Errorf("find the tap's variables: %w", err)
-	}
-	if err := useConstants(spec, agentConsts, vars.TapSnaplen.Name, vars.TapPort.Name, vars.TapNetns.Name); err != nil {
-		return res, err
-	}
-	for _, set := range []struct {
-		v   *ebpf.VariableSpec
-		val any
-	}{{vars.TapSnaplen, uint32(o.Snaplen)}, {vars.TapPort, uint32(o.Port)}, {vars.TapNetns, netnsCookie}} {
-		if err := set.v.Set(set.val); err != nil {
-			return res, fmt.Errorf("set %s: %w", set.v.Name, err)
-		}
-	}
-	cpus, err := ebpf.PossibleCPU()
+	// The tap's program from the agent's object (bpf/accel/tap.h), with
+	// the agent's constants and the tap's own.
+	tp, err := accel.LoadTap(o.PinDir, agentConsts, accel.TapSettings{
+		Snaplen: uint32(o.Snaplen), Port: uint32(o.Port), Netns: netnsCookie,
+	})
 	if err != nil {
 		return res, err
 	}
-	spec.Maps["mw_tap_scratch"].MaxEntries = uint32(cpus)
-	// Only the pinned maps are used: a tap never creates agent state.
-	var objs struct {
-		Tap      *ebpf.Program `ebpf:"mw_skmsg_tap"`
-		Ring     *ebpf.Map     `ebpf:"mw_tap_ring"`
-		Counters *ebpf.Map     `ebpf:"mw_tap_counters"`
-	}
-	replace := map[string]*ebpf.Map{}
-	for name, m := range spec.Maps {
-		if m.Pinning != ebpf.PinByName {
-			continue
-		}
-		pinned, err := ebpf.LoadPinnedMap(filepath.Join(o.PinDir, name), nil)
-		if err != nil {
-			continue // a map neither program uses may be missing
-		}
-		defer pinned.Close()
-		replace[name] = pinned
-	}
-	if err := spec.LoadAndAssign(&objs, &ebpf.CollectionOptions{MapReplacements: replace}); err != nil {
-		return res, fmt.Errorf("load the tap program against the agent's maps at %s (same meshwarp build?): %w", o.PinDir, err)
-	}
-	defer objs.Tap.Close()
-	defer objs.Ring.Close()
-	defer objs.Counters.Close()
+	defer tp.Close()
 
-	rd, err := ringbuf.NewReader(objs.Ring)
+	rd, err := ringbuf.NewReader(tp.Ring)
 	if err != nil {
 		return res, fmt.Errorf("open the tap ring: %w", err)
 	}
@@ -178,7 +141,7 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 
 	// Both swaps name the program they replace, so neither undoes a change
 	// made meanwhile by someone else (an agent restarting, another tap).
-	if err := raw.UpdateArgs(link.RawLinkUpdateOptions{New: objs.Tap, Old: agentProg, Flags: unix.BPF_F_REPLACE}); err != nil {
+	if err := raw.UpdateArgs(link.RawLinkUpdateOptions{New: tp.Program, Old: agentProg, Flags: unix.BPF_F_REPLACE}); err != nil {
 		if errors.Is(err, unix.EPERM) {
 			return res, fmt.Errorf("%w: the program in %s changed while the tap started (an agent restart or another tap): run tap again", ErrBusy, linkPin)
 		}
@@ -190,7 +153,7 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 			return nil
 		}
 		restored = true
-		err := raw.UpdateArgs(link.RawLinkUpdateOptions{New: agentProg, Old: objs.Tap, Flags: unix.BPF_F_REPLACE})
+		err := raw.UpdateArgs(link.RawLinkUpdateOptions{New: agentProg, Old: tp.Program, Flags: unix.BPF_F_REPLACE})
 		if errors.Is(err, unix.EPERM) {
 			return nil // the tap's program is no longer there: an agent (re)start replaced it
 		}
@@ -250,7 +213,7 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 	if err := restore(); err != nil {
 		return res, err
 	}
-	stats, err := readStats(objs.Counters)
+	stats, err := tp.Stats()
 	if err != nil {
 		return res, err
 	}
@@ -265,24 +228,10 @@ func Run(ctx context.Context, o Options) (res Result, err error) {
 	return res, nil
 }
 
-func readStats(m *ebpf.Map) (tapMwTapStats, error) {
-	var perCPU []tapMwTapStats
-	var sum tapMwTapStats
-	if err := m.Lookup(uint32(0), &perCPU); err != nil {
-		return sum, fmt.Errorf("read tap counters: %w", err)
-	}
-	for _, c := range perCPU {
-		sum.Records += c.Records
-		sum.RingFull += c.RingFull
-		sum.Cut += c.Cut
-	}
-	return sum, nil
-}
-
 // LinkProgram names the program the agent's sk_msg link runs now:
 // mw_skmsg normally, mw_skmsg_tap while a tap runs.
 func LinkProgram(pinDir string) (string, error) {
-	l, err := link.LoadPinnedLink(filepath.Join(pinDir, skmsgLinkPin), nil)
+	l, err := link.LoadPinnedLink(filepath.Join(pinDir, accel.SkmsgLinkPin), nil)
 	if err != nil {
 		return "", err
 	}
@@ -298,6 +247,3 @@ func LinkProgram(pinDir string) (string, error) {
 	}
 	return pi.Name, nil
 }
-
-// Spec is the tap object as built (bpf/tap/tap.bpf.c): what it needs from the kernel.
-func Spec() (*ebpf.CollectionSpec, error) { return loadTap() }

@@ -143,5 +143,5 @@ func tapAttached(t *testing.T, pinDir string) bool {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return name == "mw_skmsg_tap"
+	return name == accel.TapProgram
 }

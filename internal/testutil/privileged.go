@@ -254,10 +254,19 @@ var (
 	binErr  error
 )
 
+// BinEnv names a prebuilt cmd/meshwarp for MeshwarpBinary to use instead of
+// building one: scripts/vmtest.sh sets it, as its VMs have no writable Go
+// build cache (and compiling under emulation would eat the time budget).
+const BinEnv = "MESHWARP_TEST_BIN"
+
 // MeshwarpBinary builds cmd/meshwarp once per test binary (for tests that
-// run the CLI as a user would: a separate process, a terminal).
+// run the CLI as a user would: a separate process, a terminal), or returns
+// $MESHWARP_TEST_BIN when set.
 func MeshwarpBinary(t testing.TB) string {
 	t.Helper()
+	if bin := os.Getenv(BinEnv); bin != "" {
+		return bin
+	}
 	binOnce.Do(func() {
 		out, err := exec.Command("go", "env", "GOMOD").Output()
 		if err != nil {

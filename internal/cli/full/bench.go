@@ -32,6 +32,7 @@ type benchFlags struct {
 	workloads     []string
 	sizes         []string
 	connections   int
+	closeConns    int
 	quick         bool
 	jsonPath      string
 	htmlPath      string
@@ -57,6 +58,21 @@ repeated, and reports medians, spread and per-repeat ratios:
              tcp    fortio TCP echo load, 64 connections, qps max, 1 KB payload
              qperf  qperf tcp_lat and tcp_bw pod to pod per message size
              unix   AF_UNIX socketpair ping-pong and stream: the floor
+  cost workloads (not in the default set; add them with --workloads):
+             http-close  fortio HTTP, one connection per request (Connection: close),
+                         32 connections (--close-connections); the lab's pods run with
+                         tcp_tw_reuse=1 and a wide ephemeral port range
+             http-c1     fortio HTTP, 1 connection: a lone request's latency
+             tcp-c1      fortio TCP echo, 1 connection
+             redis       redis-server in the server pod, redis-benchmark -c 50 -t set,get
+                         in the client pod, plain and pipelined (-P 16): rows redis and
+                         redis-p16 (Debian's redis-server, redis-tools)
+
+In every mode with an agent the report also says what the agent costs: each
+BPF program's runs and run time per request and per redirected message (the
+kernel's BPF statistics, on while bench runs), and the CPU and resident memory
+of the process hosting the agent and its BPF maps' memory, at idle (1s after
+attaching, no traffic) and under each workload.
 
 The load generator runs inside the client pod and the lab cgroup; CPU is the
 lab cgroup's (apps, sidecars, load generator) per 1,000 requests. If no lab is
@@ -71,7 +87,8 @@ direct pod-to-pod traffic cross the nodes; app-to-sidecar hops stay on a node.`,
 		Example: `  meshwarp bench --quick --html report.html
   meshwarp bench --repeat 3 --duration 10s --json bench.json --html bench.html
   meshwarp bench --modes sidecar,sidecar+meshwarp --workloads http,tcp
-  meshwarp bench --nodes 2 --repeat 3 --workloads qperf,http,tcp`,
+  meshwarp bench --nodes 2 --repeat 3 --workloads qperf,http,tcp
+  meshwarp bench --modes direct,sidecar,sidecar+meshwarp --workloads http-close,http-c1,tcp-c1,redis`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return runBench(cmd, g, f)
@@ -82,9 +99,10 @@ direct pod-to-pod traffic cross the nodes; app-to-sidecar hops stay on a node.`,
 	fl.DurationVar(&f.qperfDuration, "qperf-duration", 0, "length of one qperf test (and one unix floor test) per message size (default min(duration, 3s); whole seconds)")
 	fl.IntVar(&f.repeat, "repeat", bench.DefaultRepeat, "rounds of every mode (modes interleaved: A B C D A B C D ...)")
 	fl.StringSliceVar(&f.modes, "modes", bench.AllModes, "modes to run, in this order")
-	fl.StringSliceVar(&f.workloads, "workloads", bench.AllWorkloads, "workloads: http, tcp, qperf, unix")
+	fl.StringSliceVar(&f.workloads, "workloads", bench.AllWorkloads, "workloads: http, tcp, qperf, unix (default), http-close, http-c1, tcp-c1, redis")
 	fl.StringSliceVar(&f.sizes, "sizes", nil, "qperf and unix message sizes (e.g. 1,64,256,1K,4K,16K; default those)")
 	fl.IntVar(&f.connections, "connections", bench.DefaultConnections, "fortio connections (http, tcp)")
+	fl.IntVar(&f.closeConns, "close-connections", bench.DefaultCloseConnections, "fortio connections of http-close (each request on a new connection)")
 	fl.BoolVar(&f.qperfLoopback, "qperf-loopback", false, "run qperf between two sockets of the server pod over 127.0.0.1 (same netns) instead of pod to pod")
 	fl.BoolVar(&f.bpfStats, "bpf-stats", true, "turn on the kernel's BPF run-time statistics to report the agent's BPF CPU per request; they add a clock read per program run (--bpf-stats=false to measure the agent's overhead without them)")
 	fl.BoolVar(&f.observeReads, "observe-reads", true, "observing agents also record the client application's reads (the breakdown's first segment; `meshwarp run` leaves this to `meshwarp trace`): --observe-reads=false measures the observation as run pays it")
@@ -124,6 +142,7 @@ func runBench(cmd *cobra.Command, g *cli.Global, f *benchFlags) error {
 	opts.Modes = f.modes
 	opts.Workloads = f.workloads
 	opts.Connections = f.connections
+	opts.CloseConnections = f.closeConns
 	opts.KeepLab = f.keepLab
 	opts.PinDir = f.pinDir
 	opts.Nodes = f.nodes
@@ -159,6 +178,14 @@ func runBench(cmd *cobra.Command, g *cli.Global, f *benchFlags) error {
 	if slices.Contains(opts.Workloads, bench.WorkloadQperf) {
 		if _, err := exec.LookPath("qperf"); err != nil {
 			return cli.WithExit(cli.ExitNotReady, errors.New("qperf is not installed: run scripts/install-deps.sh (or drop it: --workloads http,tcp,unix)"))
+		}
+	}
+
+	if slices.Contains(opts.Workloads, bench.WorkloadRedis) {
+		for _, bin := range []string{"redis-server", "redis-benchmark"} {
+			if _, err := exec.LookPath(bin); err != nil {
+				return cli.WithExit(cli.ExitNotReady, fmt.Errorf("%s is not installed: run scripts/install-deps.sh (Debian redis-server, redis-tools), or drop redis from --workloads", bin))
+			}
 		}
 	}
 

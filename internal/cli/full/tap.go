@@ -75,7 +75,7 @@ Ctrl-C). One tap at a time.`,
 				os.Remove(out) // nothing was captured: leave no empty file behind
 			}
 			switch {
-			case errors.Is(err, tap.ErrNoAgent):
+			case errors.Is(err, tap.ErrNoAgent), errors.Is(err, tap.ErrUnsupported):
 				return cli.WithExit(cli.ExitNotReady, err)
 			case errors.Is(err, tap.ErrBadOptions):
 				return cli.WithExit(cli.ExitUsage, err)

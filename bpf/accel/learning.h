@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
  * Learning what a redirect cannot honour, from the calls of the cgroup's
- * processes. Included by accel.bpf.c after the pairing and redirect code.
+ * processes (included after redirect.h, whose helpers it uses).
  *
  * mw_setsockopt (cgroup/setsockopt on the agent's cgroup, always attached):
  *   an option the redirect ignores, set on a socket in mw_sock_hash. If
@@ -24,8 +24,8 @@
  *   mw_unfit_rport), and `meshwarp status` names the processes
  *   (mw_unfit_procs).
  */
-#ifndef MESHWARP_WATCHES_H
-#define MESHWARP_WATCHES_H
+#ifndef MESHWARP_LEARNING_H
+#define MESHWARP_LEARNING_H
 
 #define MW_S_IFMT 00170000
 #define MW_S_IFSOCK 0140000
@@ -224,6 +224,7 @@ int mw_close_watch(struct trace_event_raw_sys_enter *ctx)
 }
 
 #define MW_SOL_SOCKET 1
+#define MW_SO_OOBINLINE 10
 #define MW_IPPROTO_TCP 6
 #define MW_SO_RCVLOWAT 18
 #define MW_SO_TIMESTAMP_OLD 29
@@ -245,6 +246,8 @@ static __always_inline __u32 option_unfit(int level, int name, int val)
 	if (level != MW_SOL_SOCKET)
 		return 0;
 	switch (name) {
+	case MW_SO_OOBINLINE:
+		return val ? MW_REASON_OOB : 0;
 	case MW_SO_RCVLOWAT:
 		return val > 1 ? MW_REASON_RCVLOWAT : 0;
 	case MW_SO_PEEK_OFF:
@@ -311,9 +314,16 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	untouched = c->dir[0] == MW_DIR_NEVER && c->dir[1] == MW_DIR_NEVER;
 	if (untouched)
 		return 1;
-	/* src_port: host order; dst_port: network order (16 bits). */
-	learn_unfit_ports(sk->src_port, bpf_ntohs(sk->dst_port), reason);
+	/*
+	 * Learn the server's port only: the accepting side's own port, the
+	 * connecting side's remote one (an ephemeral port says nothing about
+	 * later connections). src_port: host order; dst_port: network order.
+	 */
+	if (st->role == MW_ROLE_PASSIVE)
+		learn_unfit_ports(sk->src_port, 0, reason);
+	else
+		learn_unfit_ports(0, bpf_ntohs(sk->dst_port), reason);
 	return 1;
 }
 
-#endif /* MESHWARP_WATCHES_H */
+#endif /* MESHWARP_LEARNING_H */

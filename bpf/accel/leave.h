@@ -1,0 +1,222 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * Leaving mw_sock_hash, and the close (sock_ops HDR_OPT_LEN_CB and
+ * PARSE_HDR_OPT_CB, asked for only by sockets in the hash; STATE_CB). A
+ * paired connection whose direction went to TCP (redirect.h) gives its
+ * sockets plain TCP back at their first TCP packet, once no byte can be lost
+ * or reordered; a paired connection sends no TCP packets while it redirects,
+ * so this costs nothing until then. The close releases mw_conns.
+ */
+#ifndef MESHWARP_LEAVE_H
+#define MESHWARP_LEAVE_H
+
+/*
+ * Nothing the peer redirected can still be on its way to us, nor come later:
+ * its direction is on TCP (its sk_msg program passes from now on) and no
+ * sendmsg of it that decided to redirect is still running. NEVER: it never
+ * redirected; DRAINED: it switched when nothing of it was in flight. Else
+ * every tcp_bpf sendmsg holds a reference on its psock from start to end
+ * (redirect included), so a psock that is gone, or held by mw_sock_hash
+ * alone, has none running. A probe read after the peer was freed is
+ * harmless: a closed peer has no sendmsg running either.
+ */
+static __always_inline bool peer_quiet(const struct mw_conn *c, __u32 peer_dir)
+{
+	__u64 peer = peer_dir == 0 ? c->active_sk : c->passive_sk;
+	__u64 user_data, next;
+	struct sk_psock *psock;
+	__u32 d = c->dir[peer_dir & 1];
+
+	if (d == MW_DIR_NEVER || d == MW_DIR_DRAINED)
+		return true;
+	if (d != MW_DIR_TCP || !peer)
+		return false;
+	user_data = (__u64)BPF_CORE_READ((struct sock *)peer, sk_user_data);
+	if (!(user_data & MW_SK_USER_DATA_PSOCK))
+		return true;
+	psock = (struct sk_psock *)(user_data & ~(__u64)MW_SK_USER_DATA_FLAGS);
+	next = (__u64)BPF_CORE_READ(psock, link.next);
+	/* In no map: the one reference left may be a running sendmsg's. */
+	if (next == (__u64)psock + bpf_core_field_offset(struct sk_psock, link))
+		return false;
+	return BPF_CORE_READ(psock, refcnt.refs.counter) == 1;
+}
+
+/*
+ * Whether this socket's own direction may go to TCP now without its peer
+ * ever seeing two queues: the peer has read everything this socket
+ * redirected (its psock queue is empty) and nothing more is on its way
+ * (refs: the references this socket's psock holds when no other sendmsg of
+ * it runs: 2 from its own sk_msg, 1 from a sock_ops callback). Only this
+ * socket redirects into its peer, so an empty queue stays empty.
+ */
+static __always_inline bool own_dir_drained(const struct mw_conn *c, __u32 me, struct sock *self, __u32 refs)
+{
+	__u64 peer = me == 0 ? c->passive_sk : c->active_sk;
+
+	if (c->dir[me & 1] == MW_DIR_NEVER || c->dir[me & 1] == MW_DIR_DRAINED)
+		return true;
+	return psock_refs(self) == refs && peer_backlog(peer) == 0;
+}
+
+static __always_inline void stop_leave_checks(struct bpf_sock_ops *skops, __u32 cb_flags)
+{
+	__u32 mask = BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG | BPF_SOCK_OPS_PARSE_ALL_HDR_OPT_CB_FLAG;
+
+	if (cb_flags & mask)
+		bpf_sock_ops_cb_flags_set(skops, cb_flags & ~mask);
+}
+
+/*
+ * HDR_OPT_LEN_CB (the socket sends a TCP packet) and PARSE_HDR_OPT_CB (it
+ * received one; the callback runs before the segment's bytes are queued). A
+ * socket that will not (or no longer) redirect leaves mw_sock_hash, which
+ * restores the plain TCP socket (tcp_sendmsg, native FIONREAD, PEEK,
+ * SO_PEEK_OFF ...), once that cannot lose or reorder a byte:
+ *  - its connection is PASSTHROUGH: it never was a redirect target;
+ *  - PENDING and a segment arrives (the active side only is in the hash):
+ *    the peer sends by TCP, so it is no local peer of ours: PASSTHROUGH;
+ *  - PAIRED and gone to TCP: the peer will never redirect to it again
+ *    (peer_quiet), its own redirect queue is empty (the kernel frees what is
+ *    queued when the psock goes), and its own direction is drained.
+ * Receiving, it leaves before the first TCP byte lands, so a reader never
+ * sees two queues. Until then it asks again with the next packet either
+ * way. Sockets with nothing left to decide stop the callbacks.
+ */
+static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bpf_sock *sk, __u32 cb_flags,
+					   bool receiving)
+{
+	struct mw_sk_state *st = bpf_sk_storage_get(&mw_sk_store, sk, 0, 0);
+	struct mw_sock_key key;
+	struct mw_counters *cnt;
+	struct tcp_sock *tp;
+	struct mw_conn *c;
+	__u32 me, reason;
+
+	if (!st || st->left || !st->role)
+		goto done;
+	c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
+	if (!c)
+		goto done; /* the active side closed: nothing is redirected to us any more */
+	if (c->state == MW_CONN_PENDING && receiving)
+		conn_passthrough(c, MW_REASON_NO_PEER);
+	key = st->peer;
+	key.role = st->role;
+	if (c->state == MW_CONN_PASSTHROUGH) {
+		remove_socket(&key, c->reason);
+		goto done;
+	}
+	if (c->state != MW_CONN_PAIRED || !c->to_tcp)
+		return;
+	me = dir_index(st->role);
+	if (!peer_quiet(c, 1 - me))
+		return;
+	tp = bpf_skc_to_tcp_sock(sk);
+	if (!tp || redirect_backlog((struct sock *)tp))
+		return;
+	/* Sending, our own sendmsg holds a reference; receiving in softirq, none does. */
+	if (!own_dir_drained(c, me, (struct sock *)tp, receiving ? 1 : 2))
+		return;
+	c->dir[me] = MW_DIR_DRAINED;
+	reason = c->to_tcp_reason;
+	if (bpf_map_delete_elem(&mw_sock_hash, &key) == 0) {
+		cnt = counters();
+		if (cnt) {
+			cnt->sockets_left++;
+			if (reason < MW_REASON_MAX)
+				cnt->sockets_removed[reason]++;
+		}
+	}
+	st->left = 1;
+	st->paired = 0;
+done:
+	stop_leave_checks(skops, cb_flags);
+}
+
+/*
+ * A socket of a connection that went to TCP leaves at its next packet
+ * (on_leave_check). One that gets none after its conditions came true (a
+ * reader whose TCP bytes were all acknowledged while it still had
+ * redirected bytes to read; a requester that stopped sending) would stay in
+ * mw_sock_hash, where FIONREAD counts only the empty redirect queue. The
+ * connection's timer re-runs the check every MW_LEAVE_POLL_NS from the
+ * switch until both sockets are out, with the rule of the receive path
+ * (no psock call running: one reference). The sockets' own state
+ * (st->left, the counters) is settled at their next callback or close.
+ */
+#define MW_LEAVE_POLL_NS (20 * 1000 * 1000ULL)
+
+/* Whether the socket of role index me is out of mw_sock_hash (now or before). */
+static __always_inline bool leave_by_timer(const struct mw_conn_id *id, struct mw_conn *c, __u32 me)
+{
+	struct mw_sock_key key = { .conn = *id, .active_cookie = c->active_cookie, .role = me + 1 };
+	__u64 self = me == 0 ? c->active_sk : c->passive_sk;
+
+	if (!self || !psock_of((struct sock *)self))
+		return true;
+	if (!peer_quiet(c, 1 - me) || redirect_backlog((struct sock *)self) ||
+	    !own_dir_drained(c, me, (struct sock *)self, 1))
+		return false;
+	c->dir[me & 1] = MW_DIR_DRAINED;
+	bpf_map_delete_elem(&mw_sock_hash, &key);
+	return true;
+}
+
+/* The timer's second use (see on_unpaired_timeout): re-run the leave check. */
+static __always_inline void leave_poll(struct mw_conn_id *id, struct mw_conn *c)
+{
+	bool out;
+
+	if (c->state != MW_CONN_PAIRED || !c->to_tcp)
+		return;
+	out = leave_by_timer(id, c, 0);
+	out = leave_by_timer(id, c, 1) && out;
+	if (!out)
+		bpf_timer_start(&c->unpaired_timer, MW_LEAVE_POLL_NS, 0);
+}
+
+/*
+ * Arm the leave poll. The callback was set by sock_ops when the timer was
+ * armed for the unpaired timeout (only sock_ops callbacks may delete from a
+ * SOCKHASH); a paired connection's timer is idle or about to fire harmlessly.
+ */
+static __always_inline void poll_leave(struct mw_conn *c)
+{
+	bpf_timer_start(&c->unpaired_timer, MW_LEAVE_POLL_NS, 0);
+}
+
+static __always_inline void on_close(struct bpf_sock *sk)
+{
+	struct mw_sk_state *st = bpf_sk_storage_get(&mw_sk_store, sk, 0, 0);
+	struct mw_counters *cnt;
+	bool was_paired;
+
+	if (!st)
+		return;
+	/* Not the current decision: it turns to PASSTHROUGH once the peer has closed. */
+	was_paired = st->paired;
+	if (st->owns_conn) {
+		struct mw_conn_id id = st->peer.conn;
+		struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &id);
+
+		/* The active side may never have sent, so it may not know yet. */
+		if (c && c->state == MW_CONN_PAIRED && !st->left)
+			was_paired = true;
+		if (c)
+			obs_conn_end(sk, c);
+		/* Deleting the entry also cancels its timer. */
+		bpf_map_delete_elem(&mw_conns, &id);
+		st->owns_conn = 0;
+	}
+	if (was_paired) {
+		cnt = counters();
+		if (cnt)
+			cnt->sockets_closed++;
+	}
+	st->decision = MW_CONN_PASSTHROUGH;
+	st->reason = MW_REASON_PEER_CLOSED;
+	/* Counted once: a socket reconnected after connect(AF_UNSPEC) closes again. */
+	st->paired = 0;
+}
+
+#endif /* MESHWARP_LEAVE_H */

@@ -1,0 +1,214 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * The data path's load-time settings and the maps pairing (sock_ops), the
+ * redirect (sk_msg) and learning share, with the counters' helpers.
+ * Attaches to nothing: every program of the object reads these. All maps
+ * but mw_cgroup are pinned by name, so a restarted agent adopts them and the
+ * connections they hold; observation and the tap keep their own maps
+ * (observe.h, tap.h).
+ */
+#ifndef MESHWARP_MAPS_H
+#define MESHWARP_MAPS_H
+
+#define AF_INET 2
+#define AF_INET6 10
+
+/* Set by the loader before load; the defaults live in internal/accel (Config). */
+const volatile __u32 sidecar_uid;
+const volatile __u32 outbound_capture_port;
+const volatile __u32 inbound_capture_port;
+
+/*
+ * How long a hinted active socket may wait in mw_sock_hash for its peer. The
+ * peer is on this node: its ESTABLISHED follows within microseconds unless
+ * the handshake's last ACK is lost.
+ */
+const volatile __u64 unpaired_timeout_ns;
+/* Unread redirected bytes a receiver may hold before its sender falls back to TCP. */
+const volatile __u32 redirect_budget_bytes;
+/*
+ * A small-message stream: stream_run_msgs messages one way without a message
+ * back, averaging fewer bytes than the path's threshold. The redirect pays a
+ * queued message and a wakeup per write where TCP coalesces small writes,
+ * so such a connection continues on TCP. 0 turns the detection off.
+ */
+const volatile __u32 stream_run_msgs;
+const volatile __u32 stream_small_bytes_local;  /* both ends in one netns (loopback) */
+const volatile __u32 stream_small_bytes_remote; /* across namespaces (veth) */
+/* An answered SYN older than this is stale (a SYN-ACK round trip on one node is far shorter). */
+#define MW_SYN_HINT_TTL_NS (1000ULL * 1000 * 1000)
+/* A connect older than this is not in flight any more (SYN retransmits come at 1 s and 3 s). */
+#define MW_CONNECT_TTL_NS (5000ULL * 1000 * 1000)
+
+
+
+/* Capacity is set by the loader (MaxEntries); this is the default. */
+#define MW_DEFAULT_CAPACITY 65536
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKHASH);
+	__uint(max_entries, MW_DEFAULT_CAPACITY);
+	__type(key, struct mw_sock_key);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_sock_hash SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MW_DEFAULT_CAPACITY);
+	__type(key, struct mw_conn_id);
+	__type(value, struct mw_conn);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_conns SEC(".maps");
+
+/*
+ * Step 0 notes, not keyed by netns: the active side may be in another
+ * namespace than its listener. They only let a socket join mw_sock_hash; the
+ * pairing itself is proven by the sequence numbers (mw_conns), and the timer
+ * bounds a wrong note.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MW_DEFAULT_CAPACITY);
+	__type(key, struct mw_endpoint);
+	__type(value, struct mw_connect);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_connecting SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MW_DEFAULT_CAPACITY);
+	__type(key, struct mw_addr);
+	__type(value, struct mw_src_addr);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_src_addr SEC(".maps");
+
+/*
+ * Connections whose connecting socket found no note (no_local_peer), with
+ * its source endpoint: if the accepted side turns out to be in the cgroup,
+ * it re-counts the connection under the precise reason (addr_mismatch,
+ * hint_missed).
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MW_DEFAULT_CAPACITY);
+	__type(key, struct mw_conn_id);
+	__type(value, struct mw_endpoint);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_unhinted SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct mw_sk_state);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_sk_store SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mw_counters);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mw_policy_cfg);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_policy SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32); /* destination port, host order */
+	__type(value, __u32); /* enum mw_port_action */
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_port_policy SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1024);
+	__type(key, struct mw_cidr_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_cidr_incl SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 1024);
+	__type(key, struct mw_cidr_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_cidr_excl SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_CGROUP_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} mw_cgroup SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 256);
+	__type(key, struct mw_unfit_key);
+	__type(value, struct mw_unfit_proc);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_unfit_procs SEC(".maps");
+
+/*
+ * Ports of sockets that did what a redirect cannot honour, with the reason:
+ * a later connection is not paired when its accepting side listens on a
+ * port in mw_unfit_lport or its connecting side dials a port in
+ * mw_unfit_rport (host order).
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u32); /* enum mw_reason */
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_unfit_lport SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u32); /* enum mw_reason */
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_unfit_rport SEC(".maps");
+
+static __always_inline struct mw_counters *counters(void)
+{
+	__u32 zero = 0;
+	return bpf_map_lookup_elem(&mw_stats, &zero);
+}
+
+static __always_inline void count_conn(__u32 reason)
+{
+	struct mw_counters *c = counters();
+	if (c && reason < MW_REASON_MAX)
+		c->passthrough_conns[reason]++;
+}
+
+/*
+ * A connecting socket that stays off mw_sock_hash from the start: counted as
+ * a connection left to TCP and as a socket kept off the data path.
+ */
+static __always_inline void keep_off(__u32 reason)
+{
+	struct mw_counters *c = counters();
+
+	if (c && reason < MW_REASON_MAX) {
+		c->passthrough_conns[reason]++;
+		c->sockets_removed[reason]++;
+	}
+}
+
+#endif /* MESHWARP_MAPS_H */

@@ -1,0 +1,193 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * Observation of what sock_ops and sk_msg do not see (observe.h has the
+ * rest): cgroup_skb egress and ingress on the agent's cgroup (mw_obs_egress,
+ * mw_obs_ingress) look at every other connection's segments, and
+ * tp_btf/sock_recv_length (mw_obs_recv) at a client application's first read
+ * of its response. Attached only with `run --observe` (and the read
+ * tracepoint by `meshwarp trace` while it samples). They never change a
+ * packet's fate.
+ */
+#ifndef MESHWARP_OBSERVE_SKB_H
+#define MESHWARP_OBSERVE_SKB_H
+
+/* A full socket's endpoints (cgroup_skb). */
+static __always_inline void bpf_sock_tuple(struct bpf_sock *sk, struct mw_tuple *t)
+{
+	CTX_ADDRS(sk, family, src_ip4, dst_ip4, src_ip6, dst_ip6);
+	__u32 lport = CTX_READ(sk->src_port);
+	__u16 rport = *(volatile __u16 *)&sk->dst_port;
+
+	fill_tuple(t, family, lip4, rip4, l6_, r6_, lport, bpf_ntohs(rport));
+}
+
+/*
+ * A socket established before the observation started (an agent installed
+ * under load) carries an HTTP request: classify it now, by the request's
+ * direction (the side that sends requests is the client). Its TCP end is not
+ * recorded (no STATE_CB), its HTTP exchanges are.
+ */
+static __always_inline struct mw_obs_sock *obs_late(struct __sk_buff *skb, struct bpf_sock *sk, bool egress, __u64 now)
+{
+	struct mw_obs_sock *o = bpf_sk_storage_get(&mw_obs_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	struct mw_tuple t = {};
+
+	if (!o)
+		return NULL;
+	bpf_sock_tuple(sk, &t);
+	o->server = egress ? t.remote : t.local;
+	o->netns = netns_inode(sk);
+	o->point = obs_point(bpf_get_socket_uid(skb), &t, egress);
+	o->start_ns = now;
+	o->flushed_ns = now;
+	return o;
+}
+
+/* Serial-number order of TCP sequence numbers. */
+static __always_inline bool seq_after(__u32 a, __u32 b)
+{
+	return (__s32)(a - b) > 0;
+}
+
+/*
+ * cgroup_skb: a segment of a connection that is not redirected (at egress
+ * before it leaves the socket, at ingress before TCP takes it). skb->data is
+ * the network header in both directions.
+ */
+static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
+{
+	__u32 kind = MW_HTTP_NONE, method = MW_METHOD_OTHER, status = 0;
+	struct mw_flow_key k = {};
+	struct mw_obs_sock *o;
+	struct bpf_sock *sk;
+	__u8 buf[MW_OBS_PEEK] = {};
+	__u32 off, len, seq, end;
+	void *data, *data_end, *tcp;
+	__u8 b0, doff;
+	__u64 now;
+
+	/* Pure ACKs first out: 20 B IPv4 + 32 B TCP with timestamps carry no payload. */
+	if (skb->len <= 52)
+		return 1;
+	sk = skb->sk;
+	if (!sk)
+		return 1;
+	sk = bpf_sk_fullsock(sk);
+	if (!sk || sk->protocol != IPPROTO_TCP)
+		return 1;
+	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
+	if (o && !o->start_ns)
+		return 1; /* its end was recorded */
+	/*
+	 * The headers are in the linear part (direct reads); the payload may
+	 * be in page fragments (bpf_skb_load_bytes). By the packet's version:
+	 * a dual-stack socket carries IPv4 too.
+	 */
+	data = (void *)(long)skb->data;
+	data_end = (void *)(long)skb->data_end;
+	if (data + 1 > data_end)
+		return 1;
+	b0 = *(__u8 *)data;
+	if (b0 >> 4 == 4)
+		off = (b0 & 0xf) * 4;
+	else
+		off = 40; /* a TCP socket's own segments carry no extension headers here */
+	off &= 0x3f;
+	tcp = data + off;
+	if (tcp + 20 > data_end)
+		return 1;
+	seq = *(__u32 *)(tcp + 4);
+	doff = *(__u8 *)(tcp + 12);
+	off += (doff >> 4) * 4;
+	if (skb->len <= off)
+		return 1;
+	len = skb->len - off;
+	if (!o) {
+		/* Unknown socket: only a request makes it known. */
+		if (len < MW_OBS_PEEK || bpf_skb_load_bytes(skb, off, buf, MW_OBS_PEEK) ||
+		    http_start(buf, &method, &status) != MW_HTTP_REQUEST)
+			return 1;
+		o = obs_late(skb, sk, egress, bpf_ktime_get_ns());
+		if (!o)
+			return 1;
+		kind = MW_HTTP_REQUEST;
+	}
+	seq = bpf_ntohl(seq);
+	end = seq + len;
+	/* Seen already (a retransmission): neither its bytes nor its start count twice. */
+	if (o->seq_set & (egress ? 1 : 2)) {
+		if (!seq_after(end, egress ? o->snd_next : o->rcv_next))
+			return 1;
+	}
+	o->seq_set |= egress ? 1 : 2;
+	if (egress)
+		o->snd_next = end;
+	else
+		o->rcv_next = end;
+	now = bpf_ktime_get_ns();
+	if (kind == MW_HTTP_NONE && len >= MW_OBS_PEEK && bpf_skb_load_bytes(skb, off, buf, MW_OBS_PEEK) == 0)
+		kind = http_start(buf, &method, &status);
+	if (kind == MW_HTTP_REQUEST) {
+		if (egress)
+			obs_app_request(o, method, now);
+		o->req_ns = now;
+		o->req_method = method;
+		o->req_egress = egress;
+	} else if (kind == MW_HTTP_RESPONSE && o->req_ns && o->req_egress != egress) {
+		obs_flow_key(&k, o, MW_PROTO_HTTP);
+		k.status = status;
+		k.method = o->req_method;
+		obs_exchange(&k, now - o->req_ns);
+		o->req_ns = 0;
+	}
+	o->bytes += len;
+	if (now - o->flushed_ns > MW_OBS_FLUSH_NS)
+		obs_flush(o, now);
+	return 1;
+}
+
+SEC("cgroup_skb/egress")
+int mw_obs_egress(struct __sk_buff *skb)
+{
+	return obs_skb(skb, true);
+}
+
+SEC("cgroup_skb/ingress")
+int mw_obs_ingress(struct __sk_buff *skb)
+{
+	return obs_skb(skb, false);
+}
+
+#define MW_MSG_PEEK 2
+
+/*
+ * A socket read returned data (tracepoint sock:sock_recv_length, in the
+ * reader's context): for a client application with a request out, the
+ * response reached the application. Its time from the socket (MW_POINT_CLIENT)
+ * to here is the wakeup and the read: what the client sees beyond its socket.
+ */
+SEC("tp_btf/sock_recv_length")
+int mw_obs_recv(__u64 *ctx)
+{
+	struct sock *sk = (struct sock *)ctx[0];
+	int ret = (int)ctx[1], flags = (int)ctx[2];
+	struct mw_flow_key k = {};
+	struct mw_obs_sock *o;
+	__u64 now;
+
+	if (!observe || ret <= 0 || (flags & MW_MSG_PEEK) || !sk)
+		return 0;
+	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
+	if (!o || !o->app_req_ns)
+		return 0;
+	now = bpf_ktime_get_ns();
+	obs_flow_key(&k, o, MW_PROTO_HTTP);
+	k.point = MW_POINT_CLIENT_APP;
+	k.method = o->req_method;
+	k.accelerated = o->accelerated;
+	obs_add(&k, now - o->app_req_ns, 0, true);
+	o->app_req_ns = 0;
+	return 0;
+}
+
+#endif /* MESHWARP_OBSERVE_SKB_H */

@@ -1,0 +1,463 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * Pairing (sock_ops ACTIVE_ESTABLISHED_CB and PASSIVE_ESTABLISHED_CB on the
+ * agent's cgroup): which two sockets of the node are the ends of one
+ * connection, proven by both initial sequence numbers, which NAT never
+ * rewrites. Both join mw_sock_hash, so sk_msg (redirect.h) can move each
+ * message straight into the peer's receive queue.
+ *
+ * How a connection is paired (once, never changed):
+ *   0. a socket of the cgroup connects (TCP_CONNECT_CB): note its source
+ *      endpoint in mw_connecting. A listener of the cgroup answers a SYN
+ *      (RWND_INIT, on the request socket, before the SYN-ACK is sent): if a
+ *      connecting socket uses the SYN's source endpoint, mark it answered;
+ *      else, if a socket of the cgroup is connecting from the SYN's source
+ *      address, NAT remapped the source port: count a remapped SYN for that
+ *      address (mw_src_addr). Neither means no local peer in the cgroup (a
+ *      remote host, a server outside the cgroup): such sockets never join
+ *      mw_sock_hash. The listener cannot read the SYN's sequence number, so
+ *      these notes only decide who joins; the pairing is proven in step 2.
+ *      (hints.h)
+ *   1. active side ESTABLISHED: if its SYN was answered, or it claims one
+ *      remapped SYN of its address, create mw_conns[id] = PENDING, join
+ *      mw_sock_hash, arm the unpaired timer.
+ *   2. passive side ESTABLISHED: if mw_conns[id] is PENDING (both initial
+ *      sequence numbers match) and the active side's address is our remote
+ *      address, join mw_sock_hash, then PENDING -> PAIRED.
+ *   3. active side's first sendmsg: if still PENDING, PENDING -> PASSTHROUGH:
+ *      that byte goes by TCP, and so does every later byte in both directions.
+ *      (redirect.h)
+ *   4. the timer: PENDING -> PASSTHROUGH (unpaired_timeout).
+ * The passive side cannot send before step 2 (it is not accepted yet), and the
+ * active side redirects only after it saw PAIRED, so no stream is ever split
+ * between the two paths.
+ *
+ * Sockets that will not be paired leave mw_sock_hash, so the kernel gives
+ * them plain TCP back (tcp_bpf's FIONREAD, sendmsg and splice differ). A
+ * socket is removed only when its connection is PASSTHROUGH, a final state:
+ * a socket is a redirect target only of a PAIRED peer, so a removed socket
+ * has never had, and never gets, a redirected byte to lose. The passive side
+ * removes the active socket when it finds the decision made (step 2), and
+ * itself when it loses the race to step 3; the timer removes it otherwise.
+ */
+#ifndef MESHWARP_PAIRING_H
+#define MESHWARP_PAIRING_H
+
+#define CLOCK_MONOTONIC 1
+#define EBUSY 16
+
+/*
+ * Take a socket of a PASSTHROUGH connection out of mw_sock_hash (see the
+ * header: it never was and never will be a redirect target). Only sock_ops
+ * (and its timer callbacks) may delete from a SOCKHASH.
+ */
+static __always_inline void remove_socket(struct mw_sock_key *key, __u32 reason)
+{
+	struct mw_counters *c;
+
+	if (bpf_map_delete_elem(&mw_sock_hash, key))
+		return; /* already removed, or closed */
+	c = counters();
+	if (c && reason < MW_REASON_MAX)
+		c->sockets_removed[reason]++;
+}
+
+static __always_inline void remove_active(const struct mw_conn_id *id, const struct mw_conn *c)
+{
+	struct mw_sock_key key = {
+		.conn = *id,
+		.active_cookie = c->active_cookie,
+		.role = MW_ROLE_ACTIVE,
+	};
+
+	remove_socket(&key, c->reason);
+}
+
+/* Policy on the destination the application asked for (the active side's remote). */
+static __always_inline bool policy_allows(const struct mw_endpoint *dst)
+{
+	__u32 zero = 0;
+	__u32 port = dst->port_host;
+	__u32 *action = bpf_map_lookup_elem(&mw_port_policy, &port);
+	struct mw_policy_cfg *cfg = bpf_map_lookup_elem(&mw_policy, &zero);
+	struct mw_cidr_key key = { .prefixlen = 128 };
+
+	if (action && *action == MW_PORT_EXCLUDE)
+		return false;
+	__builtin_memcpy(key.addr, dst->addr, sizeof(key.addr));
+	if (bpf_map_lookup_elem(&mw_cidr_excl, &key))
+		return false;
+	if (!cfg)
+		return true;
+	if (cfg->include_ports_set && !(action && *action == MW_PORT_INCLUDE))
+		return false;
+	if (cfg->include_cidrs_set && !bpf_map_lookup_elem(&mw_cidr_incl, &key))
+		return false;
+	return true;
+}
+
+/*
+ * Exclusions on the accepted side's own endpoint (the server as NAT
+ * delivered the connection): an excluded server port or address stays on
+ * TCP whatever the client dialled. Include lists apply to the dialled
+ * destination only (under capture the accepted side is the sidecar's port).
+ */
+static __always_inline bool policy_excludes(const struct mw_endpoint *ep)
+{
+	__u32 port = ep->port_host;
+	__u32 *action = bpf_map_lookup_elem(&mw_port_policy, &port);
+	struct mw_cidr_key key = { .prefixlen = 128 };
+
+	if (action && *action == MW_PORT_EXCLUDE)
+		return true;
+	__builtin_memcpy(key.addr, ep->addr, sizeof(key.addr));
+	return bpf_map_lookup_elem(&mw_cidr_excl, &key) != NULL;
+}
+
+/*
+ * Why this socket must not be paired, whatever its peer: 0 if none. Read at
+ * ESTABLISHED, before the first byte, so options set before connect() or
+ * inherited from the listener keep the connection on TCP from the start.
+ * TCP_REPAIR: its owner chose its sequence numbers (no handshake), so they
+ * prove nothing. The rest are options tcp_bpf's recvmsg/sendmsg do not
+ * honour (net/ipv4/tcp_bpf.c): SO_RCVLOWAT > 1, SO_PEEK_OFF, TCP_INQ,
+ * receive timestamps and SO_TIMESTAMPING, SO_ZEROCOPY.
+ */
+static __always_inline __u32 socket_unfit(struct bpf_sock *sk)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	struct sock *s;
+	__u64 flags;
+
+	if (!tp)
+		return MW_REASON_TCP_REPAIR;
+	if (BPF_CORE_READ_BITFIELD(tp, repair))
+		return MW_REASON_TCP_REPAIR;
+	s = &tp->inet_conn.icsk_inet.sk;
+	if (s->sk_rcvlowat > 1)
+		return MW_REASON_RCVLOWAT;
+	if (s->sk_peek_off >= 0)
+		return MW_REASON_PEEK_OFF;
+	if (BPF_CORE_READ_BITFIELD(tp, recvmsg_inq))
+		return MW_REASON_TCP_INQ;
+	flags = s->__sk_common.skc_flags;
+	if (flags & (1ULL << bpf_core_enum_value(enum sock_flags, SOCK_URGINLINE)))
+		return MW_REASON_OOB;
+	if (flags & (1ULL << bpf_core_enum_value(enum sock_flags, SOCK_ZEROCOPY)))
+		return MW_REASON_ZEROCOPY;
+	if ((flags & ((1ULL << bpf_core_enum_value(enum sock_flags, SOCK_RCVTSTAMP)) |
+		      (1ULL << bpf_core_enum_value(enum sock_flags, SOCK_RCVTSTAMPNS)) |
+		      (1ULL << bpf_core_enum_value(enum sock_flags, SOCK_TIMESTAMPING_RX_SOFTWARE)))) ||
+	    BPF_CORE_READ_BITFIELD(s, sk_tsflags))
+		return MW_REASON_TIMESTAMP;
+	return 0;
+}
+
+/*
+ * Whether the connecting socket wrote before it was established (TCP Fast
+ * Open data in the SYN or queued behind it, a write that raced connect):
+ * those bytes are on the TCP path, and redirected later bytes could overtake
+ * them in the receiver (tcp_bpf_recvmsg reads the redirect queue first).
+ */
+static __always_inline bool wrote_early(struct bpf_sock *sk, __u32 snd_nxt)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+
+	if (!tp)
+		return true;
+	return tp->write_seq != snd_nxt || tp->bytes_sent != 0;
+}
+
+/* Give up on a PENDING connection; whoever wins the cmpxchg writes the reason. */
+static __always_inline void conn_passthrough(struct mw_conn *c, __u32 reason)
+{
+	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PASSTHROUGH) ==
+	    MW_CONN_PENDING) {
+		c->reason = reason;
+		count_conn(reason);
+	}
+}
+
+/* Why a socket could not join mw_sock_hash (bpf_sock_hash_update's error). */
+static __always_inline __u32 join_error_reason(long err)
+{
+	return err == -EBUSY ? MW_REASON_SOCKMAP_BUSY : MW_REASON_SOCKHASH_FULL;
+}
+
+static __always_inline void count_join_error(__u32 reason)
+{
+	struct mw_counters *cnt;
+
+	if (reason != MW_REASON_SOCKHASH_FULL)
+		return;
+	cnt = counters();
+	if (cnt)
+		cnt->sockhash_full++;
+}
+
+static __always_inline void leave_poll(struct mw_conn_id *id, struct mw_conn *c); /* leave.h */
+
+/*
+ * mw_conns timer: a connection still unpaired gives up and leaves the hash;
+ * one that went to TCP takes its sockets out once they may leave (leave.h).
+ */
+static int on_unpaired_timeout(void *map, struct mw_conn_id *id, struct mw_conn *c)
+{
+	if (c->state == MW_CONN_PENDING)
+		conn_passthrough(c, MW_REASON_UNPAIRED_TIMEOUT);
+	if (c->state == MW_CONN_PASSTHROUGH)
+		remove_active(id, c);
+	leave_poll(id, c);
+	return 0;
+}
+
+static __always_inline void on_active_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
+						  __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags)
+{
+	struct mw_tuple t = {};
+	struct mw_conn conn = {};
+	struct mw_sock_key key = {};
+	struct mw_sk_state *st;
+	struct mw_conn *c;
+	struct mw_conn_id id = { .active_isn1 = snd_nxt, .passive_isn1 = rcv_nxt };
+	__u32 reason, *learned;
+	bool hinted;
+	long err;
+
+	sockops_tuple(skops, &t);
+	/* Consume the connect's notes first, whatever happens next. */
+	hinted = take_syn_hint(&t.local);
+	reason = socket_unfit(sk);
+	if (!reason && wrote_early(sk, snd_nxt))
+		reason = MW_REASON_EARLY_DATA;
+	if (reason) {
+		keep_off(reason);
+		return;
+	}
+	if (!policy_allows(&t.remote)) {
+		keep_off(MW_REASON_POLICY);
+		return;
+	}
+	learned = bpf_map_lookup_elem(&mw_unfit_rport, &t.remote.port_host);
+	if (learned) {
+		keep_off(*learned);
+		return;
+	}
+	if (!hinted) {
+		/* If the accepted side is ours after all, it finds out why (step 2). */
+		bpf_map_update_elem(&mw_unhinted, &id, &t.local, BPF_ANY);
+		keep_off(MW_REASON_NO_LOCAL_PEER);
+		return;
+	}
+	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st)
+		return;
+	/* A socket reconnected after connect(AF_UNSPEC) keeps its storage: start clean. */
+	__builtin_memset(st, 0, sizeof(*st));
+	st->role = MW_ROLE_ACTIVE;
+
+	conn.active_cookie = bpf_get_socket_cookie(skops);
+	conn.active_sk = (__u64)(unsigned long)sk;
+	conn.active_local = t.local;
+	conn.active_remote = t.remote;
+	conn.state = MW_CONN_PENDING;
+	conn.active_is_sidecar = socket_uid(sk) == sidecar_uid;
+	conn.active_netns = bpf_get_netns_cookie(skops);
+
+	err = bpf_map_update_elem(&mw_conns, &id, &conn, BPF_NOEXIST);
+	if (err) {
+		/*
+		 * Another live connection drew the same identity (or the map is
+		 * full). Neither may be paired: a passive socket could not tell
+		 * which active socket it belongs to.
+		 */
+		struct mw_conn *other = bpf_map_lookup_elem(&mw_conns, &id);
+
+		reason = other ? MW_REASON_KEY_COLLISION : MW_REASON_SOCKHASH_FULL;
+		if (other && __sync_val_compare_and_swap(&other->state, MW_CONN_PENDING,
+							 MW_CONN_PASSTHROUGH) == MW_CONN_PENDING)
+			other->reason = MW_REASON_KEY_COLLISION;
+		count_join_error(reason);
+		st->decision = MW_CONN_PASSTHROUGH;
+		st->reason = reason;
+		count_conn(reason);
+		return;
+	}
+	st->owns_conn = 1;
+	st->peer.conn = id;
+	/* STATE_CB lets us drop the mw_conns entry when this socket closes. */
+	want_callbacks(skops, cb_flags);
+	c = bpf_map_lookup_elem(&mw_conns, &id);
+	if (!c)
+		return; /* cannot happen: this socket's close is the only delete */
+
+	key.conn = id;
+	key.active_cookie = conn.active_cookie;
+	key.role = MW_ROLE_ACTIVE;
+	err = bpf_sock_hash_update(skops, &mw_sock_hash, &key, BPF_NOEXIST);
+	if (err) {
+		reason = join_error_reason(err);
+		conn_passthrough(c, reason);
+		count_join_error(reason);
+		st->decision = MW_CONN_PASSTHROUGH;
+		st->reason = reason;
+		return;
+	}
+	st->peer = key;
+	st->peer.role = MW_ROLE_PASSIVE;
+	/* A timer that cannot be armed leaves the socket to steps 2 and 3. */
+	if (bpf_timer_init(&c->unpaired_timer, &mw_conns, CLOCK_MONOTONIC) == 0 &&
+	    bpf_timer_set_callback(&c->unpaired_timer, on_unpaired_timeout) == 0)
+		bpf_timer_start(&c->unpaired_timer, unpaired_timeout_ns, 0);
+}
+
+static __always_inline __u32 classify_hop(__u32 passive_local_port, const struct mw_conn *c)
+{
+	if (passive_local_port == outbound_capture_port)
+		return MW_HOP_APP_TO_SIDECAR;
+	if (passive_local_port == inbound_capture_port)
+		return MW_HOP_SIDECAR_TO_SIDECAR;
+	if (c->active_is_sidecar)
+		return MW_HOP_SIDECAR_TO_APP;
+	return MW_HOP_DIRECT;
+}
+
+/*
+ * Both ends of this connection are in the cgroup, but its connecting socket
+ * found no note (no_local_peer) and stayed off: re-count it under the
+ * precise reason. The source address differs when SNAT rewrote it; else the
+ * note was lost (a remapped port whose SYN another socket claimed, an
+ * evicted or late note).
+ */
+static __always_inline void missed_local_peer(const struct mw_conn_id *id, const struct mw_endpoint *remote)
+{
+	struct mw_endpoint *active_local = bpf_map_lookup_elem(&mw_unhinted, id);
+	struct mw_counters *c;
+	__u32 reason;
+
+	if (!active_local)
+		return;
+	reason = addr_eq(active_local, remote) ? MW_REASON_HINT_MISSED : MW_REASON_ADDR_MISMATCH;
+	bpf_map_delete_elem(&mw_unhinted, id);
+	c = counters();
+	if (!c)
+		return;
+	/* Per-CPU values may wrap below zero here; their sum stays exact. */
+	c->passthrough_conns[MW_REASON_NO_LOCAL_PEER]--;
+	c->sockets_removed[MW_REASON_NO_LOCAL_PEER]--;
+	c->passthrough_conns[reason]++;
+	c->sockets_removed[reason]++;
+}
+
+/* The connection will not be paired: the active socket leaves the hash. */
+static __always_inline void passive_gives_up(struct mw_conn_id *id, struct mw_conn *c, __u32 reason)
+{
+	conn_passthrough(c, reason);
+	if (c->state == MW_CONN_PASSTHROUGH)
+		remove_active(id, c);
+}
+
+static __always_inline void on_passive_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
+						   __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags)
+{
+	struct mw_tuple t = {};
+	struct mw_sock_key key = {};
+	struct mw_sk_state *st;
+	struct mw_counters *cnt;
+	struct mw_conn *c;
+	struct mw_conn_id id = { .active_isn1 = rcv_nxt, .passive_isn1 = snd_nxt };
+	__u32 hop, reason, *learned;
+	long err;
+
+	sockops_tuple(skops, &t);
+	c = bpf_map_lookup_elem(&mw_conns, &id);
+	if (!c) {
+		/* The connecting socket is not ours (remote host, other cgroup, excluded) or found no note. */
+		missed_local_peer(&id, &t.remote);
+		return;
+	}
+	if (c->state != MW_CONN_PENDING) {
+		/* Decided before we got here (first byte sent, timeout): release the active side. */
+		if (c->state == MW_CONN_PASSTHROUGH)
+			remove_active(&id, c);
+		return;
+	}
+
+	reason = socket_unfit(sk);
+	if (reason) {
+		passive_gives_up(&id, c, reason);
+		return;
+	}
+	if (policy_excludes(&t.local)) {
+		passive_gives_up(&id, c, MW_REASON_POLICY);
+		return;
+	}
+	learned = bpf_map_lookup_elem(&mw_unfit_lport, &t.local.port_host);
+	if (learned) {
+		passive_gives_up(&id, c, *learned);
+		return;
+	}
+	/*
+	 * REDIRECT/DNAT rewrite the destination; the source address stays and
+	 * must match. The source port may not: conntrack remaps it when the
+	 * rewritten tuple collides with another entry.
+	 */
+	if (!addr_eq(&c->active_local, &t.remote)) {
+		passive_gives_up(&id, c, MW_REASON_ADDR_MISMATCH);
+		return;
+	}
+	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st) {
+		passive_gives_up(&id, c, MW_REASON_SOCKHASH_FULL);
+		return;
+	}
+	st->role = MW_ROLE_PASSIVE;
+
+	key.conn = id;
+	key.active_cookie = c->active_cookie;
+	key.role = MW_ROLE_PASSIVE;
+	/* Join the hash before announcing PAIRED: the active side redirects to us then. */
+	err = bpf_sock_hash_update(skops, &mw_sock_hash, &key, BPF_NOEXIST);
+	if (err) {
+		reason = join_error_reason(err);
+		count_join_error(reason);
+		st->decision = MW_CONN_PASSTHROUGH;
+		st->reason = reason;
+		passive_gives_up(&id, c, reason);
+		return;
+	}
+
+	hop = classify_hop(t.local.port_host, c);
+	c->hop = hop;
+	c->passive_sk = (__u64)(unsigned long)sk;
+	c->same_netns = bpf_get_netns_cookie(skops) == c->active_netns;
+	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PAIRED) != MW_CONN_PENDING) {
+		/*
+		 * The active side sent its first byte by TCP (or timed out) since
+		 * we looked: nobody redirected to either socket, both leave.
+		 */
+		st->decision = MW_CONN_PASSTHROUGH;
+		st->reason = c->reason;
+		remove_socket(&key, c->reason);
+		remove_active(&id, c);
+		return;
+	}
+	st->peer = key;
+	st->peer.role = MW_ROLE_ACTIVE;
+	st->peer_sk = c->active_sk;
+	st->hop = hop;
+	/* The decision (and this side's direction) is claimed on the first message. */
+	st->paired = 1;
+	want_callbacks(skops, cb_flags);
+
+	cnt = counters();
+	if (cnt) {
+		cnt->sockets_paired += 2;
+		if (hop < MW_HOP_MAX)
+			cnt->hop_conns[hop]++;
+		if (c->active_local.port_host != t.remote.port_host)
+			cnt->nat_port_remaps++;
+	}
+}
+
+#endif /* MESHWARP_PAIRING_H */

@@ -1,0 +1,236 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * The redirect (sk_msg on mw_sock_hash, BPF_SK_MSG_VERDICT; mw_skmsg in
+ * accel.bpf.c): runs on every sendmsg of a socket in the hash. A paired
+ * socket's message goes straight into its peer's receive queue
+ * (BPF_F_INGRESS); the decision is taken once per socket on its first
+ * message (step 3 of pairing.h) and cached in sk_storage. A direction that
+ * would lose with the redirect (backpressure, a small-message stream)
+ * continues on TCP at a point where no reader sees two queues (leave.h).
+ */
+#ifndef MESHWARP_REDIRECT_H
+#define MESHWARP_REDIRECT_H
+
+/* Decide once per socket, on its first message; cache the answer in sk_storage. */
+static __always_inline void decide(struct mw_sk_state *st, struct bpf_sock *sk)
+{
+	struct mw_conn_id id = st->peer.conn;
+	struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &id);
+	struct tcp_sock *tp;
+
+	/*
+	 * A write that entered sendmsg before this socket joined mw_sock_hash
+	 * (one racing connect, TCP Fast Open's first write) went by TCP: this
+	 * direction stays on TCP, or redirected bytes could overtake it.
+	 */
+	tp = st->role == MW_ROLE_ACTIVE ? bpf_skc_to_tcp_sock(sk) : NULL;
+	if (tp && tp->write_seq != id.active_isn1) {
+		if (c)
+			conn_passthrough(c, MW_REASON_EARLY_DATA);
+		if (!c || c->state == MW_CONN_PAIRED)
+			count_conn(MW_REASON_EARLY_DATA);
+		st->decision = MW_CONN_PASSTHROUGH;
+		st->reason = MW_REASON_EARLY_DATA;
+		return;
+	}
+	if (!c) {
+		/* The passive side's entry goes when its (active) peer closes. */
+		st->decision = MW_CONN_PASSTHROUGH;
+		st->reason = st->paired ? MW_REASON_PEER_CLOSED : MW_REASON_NO_PEER;
+		return;
+	}
+	if (c->state == MW_CONN_PENDING) {
+		/* No peer yet: this byte and all later ones go by TCP. */
+		if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PASSTHROUGH) ==
+		    MW_CONN_PENDING) {
+			c->reason = MW_REASON_NO_PEER;
+			count_conn(MW_REASON_NO_PEER);
+		}
+	}
+	if (c->state == MW_CONN_PAIRED) {
+		__u32 me = dir_index(st->role);
+
+		st->peer_sk = st->role == MW_ROLE_ACTIVE ? c->passive_sk : c->active_sk;
+		st->hop = c->hop;
+		st->paired = 1;
+		/* NEVER: the connection went to TCP before this side sent. */
+		if (__sync_val_compare_and_swap(&c->dir[me], MW_DIR_UNDECIDED, MW_DIR_REDIRECT) ==
+		    MW_DIR_NEVER) {
+			st->decision = MW_CONN_PASSTHROUGH;
+			st->reason = c->to_tcp_reason;
+			return;
+		}
+		st->decision = MW_CONN_PAIRED;
+		return;
+	}
+	st->decision = MW_CONN_PASSTHROUGH;
+	st->reason = c->reason;
+}
+
+/* The connection is to continue on TCP as a whole (set once, counted once). */
+static __always_inline void request_tcp(struct mw_conn *c, __u32 reason)
+{
+	if (!c->to_tcp) {
+		c->to_tcp_reason = reason;
+		if (__sync_val_compare_and_swap(&c->to_tcp, 0, 1) == 0)
+			count_conn(reason);
+	}
+}
+
+/*
+ * This side's direction continues on TCP (dir: DRAINED, or TCP when bytes
+ * may still be unread or on their way), and with it the whole connection:
+ * a peer that never redirected never will (NEVER). Order holds either way:
+ * the receiver reads its redirect queue (tcp_bpf_recvmsg) before its TCP
+ * queue, and a write that returned had its redirect queued.
+ */
+static __always_inline void to_tcp(struct mw_sk_state *st, struct mw_conn *c, __u32 reason, __u32 dir)
+{
+	__u32 me = dir_index(st->role);
+
+	request_tcp(c, reason);
+	st->decision = MW_CONN_PASSTHROUGH;
+	st->reason = c->to_tcp_reason;
+	__sync_val_compare_and_swap(&c->dir[me], MW_DIR_REDIRECT, dir);
+	__sync_val_compare_and_swap(&c->dir[1 - me], MW_DIR_UNDECIDED, MW_DIR_NEVER);
+	poll_leave(c);
+}
+
+/*
+ * Whether this side may move its direction to TCP now without any reader
+ * seeing two queues: both redirect queues are empty (the peer read all we
+ * sent, we read all it sent) and no other sendmsg of ours is on its way
+ * (own_dir_drained). Then each socket leaves mw_sock_hash at its first TCP
+ * packet, before the packet's bytes are queued (on_leave_check).
+ */
+static __always_inline bool switch_point(struct mw_conn *c, struct mw_sk_state *st, struct bpf_sock *sk)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+
+	if (!tp || redirect_backlog((struct sock *)tp))
+		return false;
+	return own_dir_drained(c, dir_index(st->role), (struct sock *)tp, 2);
+}
+
+/*
+ * Whether this message ends a small-message stream: stream_run_msgs messages
+ * since the peer last sent, averaging below the path's threshold.
+ */
+static __always_inline bool small_stream(struct mw_sk_state *st, struct mw_conn *c, __u32 size)
+{
+	__u32 threshold;
+
+	if (c->last_sender != st->role) {
+		c->last_sender = st->role;
+		st->run_msgs = 0;
+		st->run_bytes = 0;
+	}
+	st->run_msgs++;
+	st->run_bytes += size;
+	if (!stream_run_msgs || st->run_msgs < stream_run_msgs)
+		return false;
+	threshold = c->same_netns ? stream_small_bytes_local : stream_small_bytes_remote;
+	if (st->run_bytes < (__u64)stream_run_msgs * threshold)
+		return true;
+	st->run_msgs = 0;
+	st->run_bytes = 0;
+	return false;
+}
+
+static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
+{
+	__u32 size = msg->size;
+	struct bpf_sock *sk = msg->sk;
+	struct mw_counters *cnt;
+	struct mw_sk_state *st;
+	struct mw_conn *c;
+	__u32 reason;
+
+	if (!sk)
+		return SK_PASS;
+	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, 0);
+	if (!st)
+		return SK_PASS;
+	if (!st->decision)
+		decide(st, sk);
+
+	cnt = counters();
+	if (st->decision == MW_CONN_PAIRED) {
+		__u32 hop = st->hop;
+		__u32 state = sk->state;
+
+		/*
+		 * After shutdown(SHUT_WR) (FIN_WAIT*, LAST_ACK, ...) TCP refuses the
+		 * write with EPIPE; a redirect would deliver bytes after the FIN.
+		 * The connection stays paired: the other direction is unchanged.
+		 */
+		if (state != BPF_TCP_ESTABLISHED && state != BPF_TCP_CLOSE_WAIT) {
+			if (cnt) {
+				cnt->passthrough_msgs[MW_REASON_SEND_SHUTDOWN]++;
+				cnt->passthrough_bytes[MW_REASON_SEND_SHUTDOWN] += size;
+			}
+			return SK_PASS;
+		}
+		/*
+		 * The redirect ignores the receiver's buffer limits. Once the
+		 * receiver has more than redirect_budget_bytes unread, this
+		 * direction continues on TCP for good, whose flow control then
+		 * blocks the writer. Order holds as in to_tcp.
+		 */
+		c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
+		if (c && !c->to_tcp && small_stream(st, c, size))
+			request_tcp(c, MW_REASON_SMALL_STREAM);
+		if (c && c->to_tcp && switch_point(c, st, sk)) {
+			/* Asked by either side; until a switch point, keep redirecting. */
+			to_tcp(st, c, c->to_tcp_reason, MW_DIR_DRAINED);
+		} else if (peer_backlog(st->peer_sk) + size > redirect_budget_bytes) {
+			/*
+			 * A one-way stream (the peer never redirected) goes to TCP as a
+			 * whole, so that its sockets can leave (unless streams are to
+			 * stay redirected: stream_run_msgs 0); else this direction
+			 * only: the other one may well stay fast.
+			 */
+			if (stream_run_msgs && c && c->dir[1 - dir_index(st->role)] == MW_DIR_UNDECIDED) {
+				to_tcp(st, c, MW_REASON_BACKPRESSURE, MW_DIR_TCP);
+			} else {
+				st->decision = MW_CONN_PASSTHROUGH;
+				st->reason = MW_REASON_BACKPRESSURE;
+				count_conn(MW_REASON_BACKPRESSURE);
+				if (c)
+					__sync_val_compare_and_swap(&c->dir[dir_index(st->role)], MW_DIR_REDIRECT,
+								    MW_DIR_TCP);
+			}
+		} else if (bpf_msg_redirect_hash(msg, &mw_sock_hash, &st->peer, BPF_F_INGRESS) == SK_PASS) {
+			if (tap)
+				tap_record(msg, st, size);
+			if (observe && c)
+				obs_msg(msg, st, c, size);
+			st->sent += size;
+			st->redir_ns = bpf_ktime_get_coarse_ns();
+			if (cnt) {
+				cnt->redirected_msgs++;
+				cnt->redirected_bytes += size;
+				if (hop < MW_HOP_MAX) {
+					cnt->hop_msgs[hop]++;
+					cnt->hop_bytes[hop] += size;
+				}
+			}
+			return SK_PASS;
+		} else {
+			/*
+			 * The peer socket is gone (closed): the connection is over on
+			 * the other side, so TCP answers (RST) exactly as without meshwarp.
+			 */
+			st->decision = MW_CONN_PASSTHROUGH;
+			st->reason = MW_REASON_PEER_CLOSED;
+		}
+	}
+	reason = st->reason;
+	if (cnt && reason < MW_REASON_MAX) {
+		cnt->passthrough_msgs[reason]++;
+		cnt->passthrough_bytes[reason] += size;
+	}
+	return SK_PASS;
+}
+
+#endif /* MESHWARP_REDIRECT_H */

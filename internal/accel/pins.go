@@ -1,0 +1,121 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package accel
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/meshwarp/meshwarp/internal/probe"
+)
+
+// What survives a restart is pinned under the pin directory: each map by
+// its BPF name (the generated specs name them: mapPin), each link by one of
+// the names below, defined here only.
+
+// DefaultPinDir is where the agent pins what must survive a restart.
+const DefaultPinDir = "/sys/fs/bpf/meshwarp"
+
+// Names of the pinned links under the pin directory.
+const (
+	SockopsLinkPin    = "mw_sockops_link"     // mw_sockops on the cgroup
+	SockoptLinkPin    = "mw_sockopt_link"     // mw_setsockopt on the cgroup
+	FinLinkPin        = "mw_fin_link"         // mw_fin_order on the cgroup
+	SkmsgLinkPin      = "mw_skmsg_link"       // mw_skmsg on mw_sock_hash (mw_skmsg_tap while a tap runs)
+	ObsEgressLinkPin  = "mw_obs_egress_link"  // mw_obs_egress on the cgroup (--observe)
+	ObsIngressLinkPin = "mw_obs_ingress_link" // mw_obs_ingress on the cgroup (--observe)
+	ObsRecvLinkPin    = "mw_obs_recv_link"    // mw_obs_recv (Config.ObserveReads)
+)
+
+// linkPins are every link meshwarp pins, in the order they are removed.
+var linkPins = []string{SockopsLinkPin, SockoptLinkPin, FinLinkPin, SkmsgLinkPin, ObsEgressLinkPin, ObsIngressLinkPin, ObsRecvLinkPin}
+
+// preparePinDir makes sure dir exists on a bpf filesystem and is writable.
+func preparePinDir(dir string) (created bool, err error) {
+	parent := filepath.Dir(dir)
+	var fs unix.Statfs_t
+	if err := unix.Statfs(parent, &fs); err != nil {
+		return false, fmt.Errorf("%w: pin directory parent %s: %w (choose a --pin-dir on a bpffs mount, default %s; mount one with: mount -t bpf bpf /sys/fs/bpf)", ErrBadConfig, parent, err, DefaultPinDir)
+	}
+	if fs.Type != unix.BPF_FS_MAGIC {
+		return false, fmt.Errorf("%w: %s is not on a bpf filesystem: choose a --pin-dir on a bpffs mount (default %s) or mount one there: mount -t bpf bpf %s", ErrBadConfig, parent, DefaultPinDir, parent)
+	}
+	if _, err := os.Stat(dir); err == nil {
+		return false, checkWritable(dir)
+	}
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		if errors.Is(err, unix.EROFS) || errors.Is(err, unix.EACCES) || errors.Is(err, unix.EPERM) {
+			return false, fmt.Errorf("%w: create pin directory %s: %w (run as root; if bpffs is read-only: mount -o remount,rw %s)", probe.ErrNotReady, dir, err, parent)
+		}
+		return false, fmt.Errorf("create pin directory %s: %w", dir, err)
+	}
+	return true, nil
+}
+
+func checkWritable(dir string) error {
+	if err := unix.Access(dir, unix.W_OK); err != nil {
+		return fmt.Errorf("%w: pin directory %s is not writable: %w (run as root; if bpffs is read-only: mount -o remount,rw %s)", probe.ErrNotReady, dir, err, filepath.Dir(dir))
+	}
+	return nil
+}
+
+func pinnedNames(dir string) map[string]bool {
+	names := map[string]bool{}
+	entries, _ := os.ReadDir(dir)
+	for _, e := range entries {
+		names[e.Name()] = true
+	}
+	return names
+}
+
+// unpinNew removes pins that were not there before (undo of a failed Start).
+func unpinNew(dir string, before map[string]bool) {
+	for name := range pinnedNames(dir) {
+		if !before[name] {
+			os.Remove(filepath.Join(dir, name))
+		}
+	}
+}
+
+// unpinMaps removes the pins of every map the object pins by name.
+func unpinMaps(pinDir string) error {
+	var errs []error
+	for _, name := range mapNames() {
+		if err := os.Remove(filepath.Join(pinDir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("unpin %s: %w", name, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// removePinDir removes dir if it holds nothing but what meshwarp pins.
+func removePinDir(dir string) error {
+	if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove %s: %w", dir, err)
+	}
+	return nil
+}
+
+// retiredMapNames are maps that earlier builds pinned and this one no
+// longer has: an upgrade adopts the rest, uninstall and cleanup remove these too.
+var retiredMapNames = []string{"mw_syn_hint", "mw_splice_procs", "mw_splice_lport", "mw_splice_rport"}
+
+// mapNames lists every map name meshwarp pins or pinned.
+func mapNames() []string {
+	spec, err := objectSpec()
+	if err != nil {
+		return nil
+	}
+	names := append(make([]string, 0, len(spec.Maps)+len(retiredMapNames)), retiredMapNames...)
+	for name, m := range spec.Maps {
+		if m.Pinning == ebpf.PinByName {
+			names = append(names, name)
+		}
+	}
+	return names
+}

@@ -1,0 +1,152 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package bench
+
+import (
+	"cmp"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+)
+
+// summarizeCost fills the agent's cost into h: per BPF program, per
+// redirected message, and the hosting process (medians over the runs ss,
+// whose agent deltas are ds).
+func summarizeCost(h *HopsSummary, ss []Sample, ds []*AgentDelta) {
+	med := func(f func(s Sample) (float64, bool)) float64 {
+		var v []float64
+		for _, s := range ss {
+			if s.Agent == nil {
+				continue
+			}
+			if x, ok := f(s); ok {
+				v = append(v, x)
+			}
+		}
+		m, _ := Median(v)
+		return m
+	}
+	h.BPFNSPerRedirectedMessage = med(func(s Sample) (float64, bool) {
+		a := s.Agent
+		return a.BPFRunSeconds * 1e9 / float64(a.RedirectedMessages), a.RedirectedMessages > 0 && a.BPFRunSeconds > 0
+	})
+	names := map[string]bool{}
+	for _, d := range ds {
+		for n := range d.BPFPrograms {
+			names[n] = true
+		}
+	}
+	for n := range names {
+		p := BPFProgramSummary{
+			Runs: med(func(s Sample) (float64, bool) { return float64(s.Agent.BPFPrograms[n].Runs), true }),
+			NSPerRun: med(func(s Sample) (float64, bool) {
+				x := s.Agent.BPFPrograms[n]
+				return x.RunSeconds * 1e9 / float64(x.Runs), x.Runs > 0 && x.RunSeconds > 0
+			}),
+			RunsPerRequest: med(func(s Sample) (float64, bool) {
+				return float64(s.Agent.BPFPrograms[n].Runs) / float64(s.Requests), s.Requests > 0
+			}),
+			NSPerRequest: med(func(s Sample) (float64, bool) {
+				return s.Agent.BPFPrograms[n].RunSeconds * 1e9 / float64(s.Requests), s.Requests > 0
+			}),
+			NSPerRedirectedMessage: med(func(s Sample) (float64, bool) {
+				m := s.Agent.RedirectedMessages
+				return s.Agent.BPFPrograms[n].RunSeconds * 1e9 / float64(m), m > 0
+			}),
+		}
+		if p.Runs == 0 {
+			continue
+		}
+		if h.BPFPrograms == nil {
+			h.BPFPrograms = map[string]BPFProgramSummary{}
+		}
+		h.BPFPrograms[n] = p
+	}
+	c := &AgentCost{
+		ProcessCPUPercent: med(func(s Sample) (float64, bool) {
+			return 100 * s.Agent.ProcessCPUSeconds / s.Agent.WallSeconds, s.Agent.WallSeconds > 0
+		}),
+		BPFCPUPercent: med(func(s Sample) (float64, bool) {
+			return 100 * s.Agent.BPFRunSeconds / s.Agent.WallSeconds, s.Agent.WallSeconds > 0
+		}),
+		ProcessRSSBytes: med(func(s Sample) (float64, bool) { return float64(s.Agent.ProcessRSSBytes), s.Agent.ProcessRSSBytes > 0 }),
+		BPFMemoryBytes:  med(func(s Sample) (float64, bool) { return float64(s.Agent.BPFMemoryBytes), s.Agent.BPFMemoryBytes > 0 }),
+	}
+	if c.ProcessRSSBytes > 0 || c.BPFCPUPercent > 0 || c.ProcessCPUPercent > 0 {
+		h.Cost = c
+	}
+}
+
+// costTable is the agent's own cost per mode with an agent: at idle and
+// under each workload (goal: what it costs per message, per connection,
+// and as a process).
+func (r *Report) costTable() (Table, bool) {
+	t := Table{
+		Title: fmt.Sprintf("What the agent costs: idle = %v after attaching, no traffic; BPF = its programs' run time (kernel bpf stats); "+
+			"process = the bench process hosting the agent (CPU in %% of one CPU, RSS at the end of the run)", IdleWindow),
+		LeftColumns: 2,
+		Head: []string{"mode", "workload", "process cpu %", "BPF cpu %", "BPF us/req", "BPF ns/redirected msg", "sock_ops runs/req",
+			"RSS MB", "BPF mem MB"},
+	}
+	for _, m := range r.Config.Modes {
+		if !ModeAgent(m) {
+			continue
+		}
+		for _, res := range r.Results {
+			if res.Mode != m || res.Hops == nil || res.Hops.Cost == nil {
+				continue
+			}
+			h := res.Hops
+			wl := res.Workload
+			if res.SizeBytes > 0 {
+				wl += " " + sizeLabel(res.SizeBytes)
+			}
+			perReq, sockops := "-", "-"
+			if h.BPFUSPerRequest > 0 {
+				perReq = fnum(h.BPFUSPerRequest, 2)
+			}
+			if p, ok := h.BPFPrograms[sockopsProgram]; ok && p.RunsPerRequest > 0 {
+				sockops = fnum(p.RunsPerRequest, 2)
+			}
+			perMsg := "-"
+			if h.BPFNSPerRedirectedMessage > 0 {
+				perMsg = fnum(h.BPFNSPerRedirectedMessage, 0)
+			}
+			t.Rows = append(t.Rows, []string{m, wl, fnum(h.Cost.ProcessCPUPercent, 2), fnum(h.Cost.BPFCPUPercent, 2), perReq, perMsg, sockops,
+				fnum(h.Cost.ProcessRSSBytes/1e6, 1), fnum(h.Cost.BPFMemoryBytes/1e6, 1)})
+		}
+	}
+	return t, len(t.Rows) > 0
+}
+
+// sockopsProgram is the agent's sock_ops program (runs per connection event).
+const sockopsProgram = "mw_sockops"
+
+// programLines lists the BPF programs of one result, most expensive first.
+func programLines(mode string, h *HopsSummary) []string {
+	if h == nil || len(h.BPFPrograms) == 0 {
+		return nil
+	}
+	names := slices.SortedFunc(maps.Keys(h.BPFPrograms), func(a, b string) int {
+		pa, pb := h.BPFPrograms[a], h.BPFPrograms[b]
+		return cmp.Compare(pb.Runs*pb.NSPerRun, pa.Runs*pa.NSPerRun)
+	})
+	var parts []string
+	for _, n := range names {
+		p := h.BPFPrograms[n]
+		part := fmt.Sprintf("%s %.0f ns/run", n, p.NSPerRun)
+		if p.RunsPerRequest > 0 {
+			part += fmt.Sprintf(" x %.2f/req", p.RunsPerRequest)
+		}
+		if p.NSPerRedirectedMessage > 0 {
+			part += fmt.Sprintf(" = %.0f ns/redirected msg", p.NSPerRedirectedMessage)
+		}
+		parts = append(parts, part)
+	}
+	line := fmt.Sprintf("%s BPF per program: %s", mode, strings.Join(parts, "; "))
+	if h.BPFNSPerRedirectedMessage > 0 {
+		line += fmt.Sprintf(" (all programs: %.0f ns per redirected message)", h.BPFNSPerRedirectedMessage)
+	}
+	return []string{line}
+}
