@@ -10,6 +10,7 @@ import (
 	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
 
+	"github.com/meshwarp/meshwarp/internal/probe"
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
@@ -70,11 +71,19 @@ func loadOtherSockmapUser(t *testing.T) *otherSockmapUser {
 
 func (o *otherSockmapUser) attach(t *testing.T, cgroup string) {
 	t.Helper()
-	msg, err := link.AttachRawLink(link.RawLinkOptions{Target: o.hash.FD(), Program: o.skmsg, Attach: ebpf.AttachSkMsgVerdict})
-	if err != nil {
-		t.Fatalf("attach other sk_msg: %v", err)
+	if probe.HaveSockmapLink() != nil {
+		// Linux < 6.10: the other tool attaches to its map itself, as the
+		// agent does there; the map (closed with o) takes the program along.
+		if err := link.RawAttachProgram(link.RawAttachProgramOptions{Target: o.hash.FD(), Program: o.skmsg, Attach: ebpf.AttachSkMsgVerdict}); err != nil {
+			t.Fatalf("attach other sk_msg (BPF_PROG_ATTACH): %v", err)
+		}
+	} else {
+		msg, err := link.AttachRawLink(link.RawLinkOptions{Target: o.hash.FD(), Program: o.skmsg, Attach: ebpf.AttachSkMsgVerdict})
+		if err != nil {
+			t.Fatalf("attach other sk_msg: %v", err)
+		}
+		t.Cleanup(func() { msg.Close() })
 	}
-	t.Cleanup(func() { msg.Close() })
 	ops, err := link.AttachCgroup(link.CgroupOptions{Path: cgroup, Attach: ebpf.AttachCGroupSockOps, Program: o.sockops})
 	if err != nil {
 		t.Fatalf("attach other sock_ops: %v", err)
