@@ -88,28 +88,36 @@ func OtherSockmapPrograms() ([]ProgramRef, error) {
 		ours[name] = true
 	}
 	var out []ProgramRef
+	EachProgram(func(id ebpf.ProgramID, p *ebpf.Program) {
+		info, err := p.Info()
+		if err != nil || ours[info.Name] {
+			return
+		}
+		switch info.Type {
+		case ebpf.SockOps, ebpf.SkMsg:
+			out = append(out, ProgramRef{ID: uint32(id), Name: info.Name, Type: info.Type.String()})
+		}
+	})
+	return out, nil
+}
+
+// EachProgram calls fn with every BPF program loaded on the node (closed
+// after fn returns); programs unloaded meanwhile are skipped.
+func EachProgram(fn func(id ebpf.ProgramID, p *ebpf.Program)) {
 	var id ebpf.ProgramID
 	for {
 		next, err := ebpf.ProgramGetNextID(id)
 		if err != nil {
-			break // ErrNotExist: the end of the list
+			return // ErrNotExist: the end of the list
 		}
 		id = next
 		p, err := ebpf.NewProgramFromID(id)
 		if err != nil {
 			continue // unloaded meanwhile
 		}
-		info, err := p.Info()
+		fn(id, p)
 		p.Close()
-		if err != nil || ours[info.Name] {
-			continue
-		}
-		switch info.Type {
-		case ebpf.SockOps, ebpf.SkMsg:
-			out = append(out, ProgramRef{ID: uint32(id), Name: info.Name, Type: info.Type.String()})
-		}
 	}
-	return out, nil
 }
 
 // HopStats counts one hop kind.

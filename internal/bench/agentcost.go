@@ -93,22 +93,11 @@ func AgentPrograms(pinDirs []string) (map[string]BPFProgramDelta, uint64, error)
 	if len(mapIDs) == 0 {
 		return out, mem, nil
 	}
-	var id ebpf.ProgramID
-	for {
-		next, err := ebpf.ProgramGetNextID(id)
-		if err != nil {
-			break // ErrNotExist: the end of the list
-		}
-		id = next
-		p, err := ebpf.NewProgramFromID(id)
-		if err != nil {
-			continue // unloaded meanwhile
-		}
+	accel.EachProgram(func(_ ebpf.ProgramID, p *ebpf.Program) {
 		info, ierr := p.Info()
 		st, serr := p.Stats()
-		p.Close()
 		if ierr != nil {
-			continue
+			return
 		}
 		ids, _ := info.MapIDs()
 		ours := false
@@ -116,19 +105,19 @@ func AgentPrograms(pinDirs []string) (map[string]BPFProgramDelta, uint64, error)
 			ours = ours || mapIDs[m]
 		}
 		if !ours {
-			continue
+			return
 		}
 		if b, ok := info.Memlock(); ok {
 			mem += b
 		}
 		if serr != nil {
-			continue
+			return
 		}
 		d := out[info.Name]
 		d.Runs += st.RunCount
 		d.RunSeconds += st.Runtime.Seconds()
 		out[info.Name] = d
-	}
+	})
 	return out, mem, nil
 }
 
