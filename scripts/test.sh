@@ -21,6 +21,7 @@ fi
 
 step "go vet"
 go vet ./...
+go vet -tags vmtest ./internal/accel
 
 step "build both binaries (meshwarp, meshwarp-agent)"
 go build -o /dev/null ./cmd/meshwarp

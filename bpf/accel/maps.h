@@ -27,6 +27,11 @@ const volatile __u64 unpaired_timeout_ns;
 /* Unread redirected bytes a receiver may hold before its sender falls back to TCP. */
 const volatile __u32 redirect_budget_bytes;
 /*
+ * Pages of TCP memory the node's counter may not show yet: each CPU holds up
+ * to net.core.mem_pcpu_rsv pages before it adds them (tcp_memory_tight).
+ */
+const volatile __u32 tcp_mem_slack_pages;
+/*
  * A small-message stream: stream_run_msgs messages one way without a message
  * back, averaging fewer bytes than the path's threshold. The redirect pays a
  * queued message and a wakeup per write where TCP coalesces small writes,

@@ -173,9 +173,10 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 		}
 		/*
 		 * The redirect ignores the receiver's buffer limits. Once the
-		 * receiver has more than redirect_budget_bytes unread, this
-		 * direction continues on TCP for good, whose flow control then
-		 * blocks the writer. Order holds as in to_tcp.
+		 * receiver has more than redirect_budget_bytes unread, or the
+		 * node's TCP memory is tight (where the redirect would fail with
+		 * ENOMEM), this direction continues on TCP for good, whose flow
+		 * control then blocks the writer. Order holds as in to_tcp.
 		 */
 		c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
 		if (c && !c->to_tcp && small_stream(st, c, size))
@@ -183,7 +184,8 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 		if (c && c->to_tcp && switch_point(c, st, sk)) {
 			/* Asked by either side; until a switch point, keep redirecting. */
 			to_tcp(st, c, c->to_tcp_reason, MW_DIR_DRAINED);
-		} else if (peer_backlog(st->peer_sk) + size > redirect_budget_bytes) {
+		} else if (peer_backlog(st->peer_sk) + size > redirect_budget_bytes ||
+			   tcp_memory_tight(st->peer_sk, size)) {
 			/*
 			 * A one-way stream (the peer never redirected) goes to TCP as a
 			 * whole, so that its sockets can leave (unless streams are to

@@ -169,6 +169,31 @@ static __always_inline __u32 peer_backlog(__u64 peer_sk)
 	return peer_sk ? redirect_backlog((struct sock *)peer_sk) : 0;
 }
 
+/*
+ * Whether the node's TCP memory, with size more bytes and the per-CPU
+ * reserves it may not show yet (tcp_mem_slack_pages), reaches its pressure
+ * threshold (tcp_mem[1], in pages). Beyond it the redirect's receive charge
+ * (bpf_tcp_ingress: __sk_rmem_schedule) may fail, and the writer would get
+ * ENOMEM where TCP makes it wait; below it the charge cannot fail. All TCP
+ * sockets share one account (tcp_prot and tcpv6_prot alike), read through
+ * the peer as redirect_backlog reads it.
+ */
+static __always_inline bool tcp_memory_tight(__u64 peer_sk, __u32 size)
+{
+	struct proto *prot;
+	long allocated, *limits, pressure_pages = 0;
+
+	if (!peer_sk)
+		return false;
+	prot = BPF_CORE_READ((struct sock *)peer_sk, __sk_common.skc_prot);
+	allocated = BPF_CORE_READ(prot, memory_allocated, counter);
+	limits = BPF_CORE_READ(prot, sysctl_mem);
+	if (!limits || bpf_core_read(&pressure_pages, sizeof(pressure_pages), &limits[1]))
+		return false;
+	/* size in 4 KiB pages: an overestimate where pages are larger */
+	return allocated + (size >> 12) + 1 + tcp_mem_slack_pages >= pressure_pages;
+}
+
 /* dir[] index of a role. */
 static __always_inline __u32 dir_index(__u32 role)
 {

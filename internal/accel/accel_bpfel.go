@@ -362,6 +362,7 @@ const (
 	accelVarTapNetns               = "tap_netns"
 	accelVarTapPort                = "tap_port"
 	accelVarTapSnaplen             = "tap_snaplen"
+	accelVarTcpMemSlackPages       = "tcp_mem_slack_pages"
 	accelVarUnpairedTimeoutNs      = "unpaired_timeout_ns"
 )
 
@@ -469,6 +470,7 @@ type accelVariableSpecs struct {
 	TapNetns               *ebpf.VariableSpec `ebpf:"tap_netns"`
 	TapPort                *ebpf.VariableSpec `ebpf:"tap_port"`
 	TapSnaplen             *ebpf.VariableSpec `ebpf:"tap_snaplen"`
+	TcpMemSlackPages       *ebpf.VariableSpec `ebpf:"tcp_mem_slack_pages"`
 	UnpairedTimeoutNs      *ebpf.VariableSpec `ebpf:"unpaired_timeout_ns"`
 }
 
@@ -556,6 +558,7 @@ type accelVariables struct {
 	TapNetns               *ebpf.Variable `ebpf:"tap_netns"`
 	TapPort                *ebpf.Variable `ebpf:"tap_port"`
 	TapSnaplen             *ebpf.Variable `ebpf:"tap_snaplen"`
+	TcpMemSlackPages       *ebpf.Variable `ebpf:"tcp_mem_slack_pages"`
 	UnpairedTimeoutNs      *ebpf.Variable `ebpf:"unpaired_timeout_ns"`
 }
 

@@ -6,8 +6,13 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
 	"time"
 
+	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 
 	"github.com/meshwarp/meshwarp/internal/crossnode"
@@ -120,6 +125,7 @@ func dataPathConstants(v *accelVariableSpecs, cfg Config) []constant {
 		{v.InboundCapturePort, uint32(cfg.InboundPort)},
 		{v.UnpairedTimeoutNs, uint64(cfg.UnpairedTimeout.Nanoseconds())},
 		{v.RedirectBudgetBytes, cfg.RedirectBudget},
+		{v.TcpMemSlackPages, tcpMemSlackPages()},
 		{v.StreamRunMsgs, run},
 		{v.StreamSmallBytesLocal, uint32(SmallStreamLocalBytes)},
 		{v.StreamSmallBytesRemote, uint32(SmallStreamRemoteBytes)},
@@ -146,4 +152,21 @@ func checkCgroup2(path string) error {
 		return fmt.Errorf("%w: %s is not a cgroup v2 directory: pass a directory under the cgroup2 mount (see `grep cgroup2 /proc/mounts`)", ErrBadConfig, path)
 	}
 	return nil
+}
+
+// tcpMemSlackPages is how far the node's TCP memory counter may lag: each
+// possible CPU keeps up to net.core.mem_pcpu_rsv pages (1 MB of pages before
+// that sysctl existed) before adding them to it.
+func tcpMemSlackPages() uint32 {
+	rsv := uint64(1<<20) / uint64(os.Getpagesize())
+	if b, err := os.ReadFile("/proc/sys/net/core/mem_pcpu_rsv"); err == nil {
+		if n, err := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 32); err == nil {
+			rsv = n
+		}
+	}
+	cpus, err := ebpf.PossibleCPU()
+	if err != nil {
+		cpus = runtime.NumCPU()
+	}
+	return uint32(rsv * uint64(cpus))
 }
