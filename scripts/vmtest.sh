@@ -48,7 +48,7 @@ timeout_s=${MESHWARP_VM_TIMEOUT:-900}
 # differs by kernel), and the lifecycle (kill, adopt, upgrade, uninstall under
 # load; a refused upgrade; another tool's sockmap beside ours: what the sk_msg
 # attach mechanism changes).
-accel_tests='NodeMemoryPressureBlocksWriter|IntegrityLoopback|IntegrityAcrossNetns|NetnsIsolationCollidingTuples|NoPathSwitchMidStream|PairAcrossSourcePortRemap|Compat|AdmissionOutsideClientDuringConnect|NoHarmServerOutsideCgroup|NoHarmPassthroughFIONREAD|Faithful(SlowReader|SendAfterShutdown|EarlyWriteKeepsOrder)|SmallStreamSwitchKeepsEveryByte|FallbackSockhashFull|UpgradeToOtherLayoutRefused|CoexistOtherSockmapUser'
+accel_tests='NodeMemoryPressureBlocksWriter|IntegrityLoopback|IntegrityAcrossNetns|NetnsIsolationCollidingTuples|NoPathSwitchMidStream|PairAcrossSourcePortRemap|Compat|AdmissionOutsideClientDuringConnect|NoHarmServerOutsideCgroup|NoHarmPassthroughFIONREAD|Faithful(SlowReader|SendAfterShutdown|EarlyWriteKeepsOrder|LearnedFIONREAD)|SmallStreamSwitchKeepsEveryByte|FallbackSockhashFull|UpgradeToOtherLayoutRefused|CoexistOtherSockmapUser'
 # TestPrivilegedLifecycleUnderLoad (kill, adopt, upgrade, uninstall under load)
 # passed in VMs on 6.1 and 6.12, but not every time: under emulation `status`
 # after the uninstall sometimes finds none of the still-open accelerated

@@ -82,7 +82,9 @@ enum mw_reason {
 	MW_REASON_TCP_INQ = 23,        /* TCP_INQ: no TCP_CM_INQ control message on redirected bytes */
 	MW_REASON_TIMESTAMP = 24,      /* SO_TIMESTAMP(NS), SO_TIMESTAMPING: no timestamps on redirected bytes */
 	MW_REASON_ZEROCOPY = 25,       /* SO_ZEROCOPY: MSG_ZEROCOPY completions are never queued for redirected bytes */
-	MW_REASON_MAX = 26,
+	/* Learned, on kernels whose tcp_bpf has no ioctl: FIONREAD/SIOCINQ counts only TCP's queue there. */
+	MW_REASON_FIONREAD_READER = 26,
+	MW_REASON_MAX = 27,
 };
 
 /*

@@ -19,7 +19,9 @@
  *   redirect queue holds; MSG_OOB has no urgent mark on redirected bytes;
  *   close() with unread redirected bytes sends FIN where TCP sends RST;
  *   connect(AF_UNSPEC) leaves unread redirected bytes for the next
- *   connection. The connection that reveals it already runs; later
+ *   connection; on kernels whose tcp_bpf has no ioctl (6.1), ioctl(FIONREAD)
+ *   counts only TCP's queue (that watch is attached only there). The
+ *   connection that reveals it already runs; later
  *   connections on that socket's ports are left to TCP (mw_unfit_lport,
  *   mw_unfit_rport), and `meshwarp status` names the processes
  *   (mw_unfit_procs).
@@ -220,6 +222,26 @@ int mw_close_watch(struct trace_event_raw_sys_enter *ctx)
 	sk = fd_socket(ctx->args[0]);
 	if (sk && redirect_backlog(sk) > 0)
 		learn_unfit(sk, MW_REASON_UNREAD_CLOSE);
+	return 0;
+}
+
+#define MW_FIONREAD 0x541B /* SIOCINQ too */
+
+/*
+ * ioctl(fd, FIONREAD) on a socket with a psock, on a kernel whose tcp_bpf
+ * has no ioctl (before commit 929e30f93125): the answer leaves out the
+ * redirect queue. The agent attaches this watch only on such kernels.
+ */
+SEC("tracepoint/syscalls/sys_enter_ioctl")
+int mw_ioctl_watch(struct trace_event_raw_sys_enter *ctx)
+{
+	struct sock *sk;
+
+	if (ctx->args[1] != MW_FIONREAD || bpf_current_task_under_cgroup(&mw_cgroup, 0) != 1)
+		return 0;
+	sk = fd_socket(ctx->args[0]);
+	if (sk && in_sockmap(sk))
+		learn_unfit(sk, MW_REASON_FIONREAD_READER);
 	return 0;
 }
 

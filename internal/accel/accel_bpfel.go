@@ -81,16 +81,16 @@ type accelMwCounters struct {
 	RedirectedMsgs    uint64
 	RedirectedBytes   uint64
 	SockhashFull      uint64
-	PassthroughMsgs   [26]uint64
-	PassthroughBytes  [26]uint64
-	PassthroughConns  [26]uint64
+	PassthroughMsgs   [27]uint64
+	PassthroughBytes  [27]uint64
+	PassthroughConns  [27]uint64
 	HopConns          [4]uint64
 	HopMsgs           [4]uint64
 	HopBytes          [4]uint64
 	SpliceSocketReads uint64
 	NatPortRemaps     uint64
-	UnfitCalls        [26]uint64
-	SocketsRemoved    [26]uint64
+	UnfitCalls        [27]uint64
+	SocketsRemoved    [27]uint64
 	FlowsFull         uint64
 }
 
@@ -221,7 +221,8 @@ const (
 	accelMwReasonMW_REASON_TCP_INQ          accelMwReason = 23
 	accelMwReasonMW_REASON_TIMESTAMP        accelMwReason = 24
 	accelMwReasonMW_REASON_ZEROCOPY         accelMwReason = 25
-	accelMwReasonMW_REASON_MAX              accelMwReason = 26
+	accelMwReasonMW_REASON_FIONREAD_READER  accelMwReason = 26
+	accelMwReasonMW_REASON_MAX              accelMwReason = 27
 )
 
 type accelMwSkState struct {
@@ -335,6 +336,7 @@ const (
 	accelProgMwCloseWatch          = "mw_close_watch"
 	accelProgMwConnectWatch        = "mw_connect_watch"
 	accelProgMwFinOrder            = "mw_fin_order"
+	accelProgMwIoctlWatch          = "mw_ioctl_watch"
 	accelProgMwObsEgress           = "mw_obs_egress"
 	accelProgMwObsIngress          = "mw_obs_ingress"
 	accelProgMwObsRecv             = "mw_obs_recv"
@@ -411,6 +413,7 @@ type accelProgramSpecs struct {
 	MwCloseWatch    *ebpf.ProgramSpec `ebpf:"mw_close_watch"`
 	MwConnectWatch  *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
 	MwFinOrder      *ebpf.ProgramSpec `ebpf:"mw_fin_order"`
+	MwIoctlWatch    *ebpf.ProgramSpec `ebpf:"mw_ioctl_watch"`
 	MwObsEgress     *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
 	MwObsIngress    *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
 	MwObsRecv       *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
@@ -569,6 +572,7 @@ type accelPrograms struct {
 	MwCloseWatch    *ebpf.Program `ebpf:"mw_close_watch"`
 	MwConnectWatch  *ebpf.Program `ebpf:"mw_connect_watch"`
 	MwFinOrder      *ebpf.Program `ebpf:"mw_fin_order"`
+	MwIoctlWatch    *ebpf.Program `ebpf:"mw_ioctl_watch"`
 	MwObsEgress     *ebpf.Program `ebpf:"mw_obs_egress"`
 	MwObsIngress    *ebpf.Program `ebpf:"mw_obs_ingress"`
 	MwObsRecv       *ebpf.Program `ebpf:"mw_obs_recv"`
@@ -590,6 +594,7 @@ func (p *accelPrograms) Close() error {
 		p.MwCloseWatch,
 		p.MwConnectWatch,
 		p.MwFinOrder,
+		p.MwIoctlWatch,
 		p.MwObsEgress,
 		p.MwObsIngress,
 		p.MwObsRecv,

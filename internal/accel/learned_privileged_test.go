@@ -17,6 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/meshwarp/meshwarp/internal/probe"
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
@@ -268,4 +269,41 @@ func TestPrivilegedFaithfulLearnedUnreadClose(t *testing.T) {
 			t.Fatalf("read after the peer closed with unread data: %v, want ECONNRESET", err)
 		}
 	})
+}
+
+// A reader that sizes its read with ioctl(FIONREAD) after the peer wrote
+// 300 bytes sees 300. Kernels whose tcp_bpf has no ioctl (6.1) leave the
+// redirect queue out of that answer: there the call is learned (the watch is
+// attached only on such kernels) and later connections on the port stay on
+// TCP. Elsewhere FIONREAD is exact on the paired connection itself.
+func TestPrivilegedFaithfulLearnedFIONREAD(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	check := func(t *testing.T, client, server net.Conn) {
+		if _, err := server.Write(make([]byte, 300)); err != nil {
+			t.Fatal(err)
+		}
+		if err := awaitInq(client, 300); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if probe.HaveMsgTotLen() == nil {
+		noSetup := func(*testing.T) net.Listener { return nil }
+		forEachAgentConfig(t, Config{LearnFromSyscalls: true}, noSetup, func(t *testing.T, a *Agent, _ net.Listener) {
+			ln := mustListen(t, "127.0.0.1:0")
+			defer ln.Close()
+			client, server := pairedConn(t, a, ln, func() (net.Conn, error) { return net.Dial("tcp", ln.Addr().String()) })
+			defer client.Close()
+			defer server.Close()
+			check(t, client, server)
+			if a != nil {
+				if n := stats(t, a).UnfitCalls["fionread_reader"]; n != 0 {
+					t.Fatalf("FIONREAD learned (%d calls) on a kernel where it counts redirected bytes", n)
+				}
+			}
+		})
+		return
+	}
+	learnedCase(t, "fionread_reader", func(t *testing.T, client, _ net.Conn) {
+		fdIoctl(t, client, unix.SIOCINQ)
+	}, check)
 }

@@ -15,6 +15,8 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
+
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
 // tracefsDir is where the tracepoint ids are read from.
@@ -22,7 +24,7 @@ const tracefsDir = "/sys/kernel/tracing"
 
 // UnfitProcess is a process of the accelerated cgroup seen doing, on an
 // accelerated socket, what a redirect cannot honour (Reason: splice_reader,
-// waitall_reader, oob, rcvlowat, unread_close, disconnect). Later connections on that
+// waitall_reader, oob, rcvlowat, unread_close, disconnect, fionread_reader). Later connections on that
 // socket's ports are left to TCP.
 type UnfitProcess struct {
 	PID    uint32 `json:"pid"`
@@ -32,9 +34,10 @@ type UnfitProcess struct {
 }
 
 // syscallWatches are the tracepoints (syscalls:sys_enter_*) that learn
-// unfit sockets, by program.
+// unfit sockets, by program. ioctl(FIONREAD) is watched only on kernels
+// where it leaves out redirected bytes (probe.HaveMsgTotLen).
 func syscallWatches(o *accelObjects) map[string]*ebpf.Program {
-	return map[string]*ebpf.Program{
+	w := map[string]*ebpf.Program{
 		"sys_enter_splice":   o.MwSpliceWatch,
 		"sys_enter_recvfrom": o.MwRecvfromWatch,
 		"sys_enter_recvmsg":  o.MwRecvmsgWatch,
@@ -45,6 +48,10 @@ func syscallWatches(o *accelObjects) map[string]*ebpf.Program {
 		"sys_enter_close":    o.MwCloseWatch,
 		"sys_enter_connect":  o.MwConnectWatch,
 	}
+	if probe.HaveMsgTotLen() != nil {
+		w["sys_enter_ioctl"] = o.MwIoctlWatch
+	}
+	return w
 }
 
 // watchSyscalls attaches the syscall watches for the processes of

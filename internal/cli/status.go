@@ -76,6 +76,8 @@ attached). Counters are cumulative across agent restarts.
     oob             SO_OOBINLINE set, or (learned) sent or read MSG_OOB: redirected bytes carry no urgent mark
     unread_close    closed it with unread bytes (TCP would send RST; the redirect path FIN)
     disconnect      connect(AF_UNSPEC) on it (the redirect queue outlives the connection)
+    fionread_reader ioctl(FIONREAD) on it, on kernels whose FIONREAD leaves out redirected
+                    bytes (6.1; see meshwarp probe)
   removed_sockets_by_reason  sockets kept off the SOCKHASH (the connecting socket of a
                           no_local_peer, policy or splice_reader connection) or taken out
                           of it once their connection was left to TCP: from then on they
