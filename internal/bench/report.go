@@ -90,19 +90,12 @@ func newObservation(flows []accel.Flow, port int) *Observation {
 	return o
 }
 
-// AgentDelta is the change of the agent's counters over one run.
+// AgentDelta is the change of the agent's counters over one run: the
+// agent's own Counters, under the keys of `meshwarp status --json`
+// (accelerated_sockets is the gauge at the end of the run; maps by reason
+// hold the non-zero reasons only), and what the run cost the agent.
 type AgentDelta struct {
-	PairedSockets       uint64            `json:"paired_sockets"`
-	RedirectedMessages  uint64            `json:"redirected_messages"`
-	RedirectedBytes     uint64            `json:"redirected_bytes"`
-	PassthroughMessages uint64            `json:"passthrough_messages"`
-	PassthroughBytes    uint64            `json:"passthrough_bytes"`
-	PassthroughByReason map[string]uint64 `json:"passthrough_messages_by_reason,omitempty"`
-	// PassthroughConnections counts connections left to TCP, by reason (non-zero only).
-	PassthroughConnections map[string]uint64      `json:"passthrough_connections_by_reason,omitempty"`
-	NATPortRemaps          uint64                 `json:"nat_port_remapped_connections"`
-	LeftSockets            uint64                 `json:"left_sockets"`
-	Hops                   map[string]HopCounters `json:"by_hop,omitempty"`
+	accel.Counters
 	// BPFRunSeconds is the CPU time of the agent's BPF programs over the run.
 	BPFRunSeconds float64 `json:"bpf_run_seconds,omitempty"`
 	// BPFPrograms splits the BPF run time by program (kernel statistics).
@@ -226,13 +219,14 @@ type MinMaxValue struct {
 // HopsSummary tells which hops the agent accelerated during a run.
 type HopsSummary struct {
 	// Accelerated names the hops with redirected messages.
-	Accelerated         []string               `json:"accelerated"`
-	PairedSockets       float64                `json:"paired_sockets"`
+	Accelerated []string `json:"accelerated"`
+	// The agent's counters (AgentDelta) under their keys, medians over repeats.
+	PairedSockets       float64                `json:"paired_sockets_total"`
 	RedirectedMessages  float64                `json:"redirected_messages"`
 	RedirectedBytes     float64                `json:"redirected_bytes"`
 	PassthroughMessages float64                `json:"passthrough_messages"`
 	PassthroughBytes    float64                `json:"passthrough_bytes"`
-	ByHop               map[string]HopCounters `json:"by_hop"`
+	ByHop               map[string]HopCounters `json:"hops"`
 	// BPFUSPerRequest is the agent's BPF CPU time per request (fortio workloads).
 	BPFUSPerRequest float64 `json:"bpf_us_per_request,omitempty"`
 	// BPFNSPerRedirectedMessage is the agent's BPF CPU time (every program)
@@ -242,7 +236,7 @@ type HopsSummary struct {
 	BPFPrograms map[string]BPFProgramSummary `json:"bpf_programs,omitempty"`
 	// Cost is what the agent itself used over the run (medians over repeats).
 	Cost                *AgentCost        `json:"agent_cost,omitempty"`
-	PassthroughByReason map[string]uint64 `json:"passthrough_messages_by_reason,omitempty"`
+	PassthroughByReason map[string]uint64 `json:"passthrough_by_reason,omitempty"`
 	// PassthroughConnections is the most connections any one repeat left
 	// to TCP, by reason: a single bad repeat shows.
 	PassthroughConnections map[string]uint64 `json:"passthrough_connections_by_reason,omitempty"`
