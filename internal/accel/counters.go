@@ -163,6 +163,27 @@ func (k Counter) Values(c Counters) map[string]uint64 {
 	return out
 }
 
+// Set sets the counter's value in c for one label value ("" without a label).
+func (k Counter) Set(c *Counters, label string, v uint64) {
+	switch {
+	case k.scalar != nil:
+		*k.scalar(c) = v
+	case k.split != nil:
+		m := k.split(c)
+		if *m == nil {
+			*m = map[string]uint64{}
+		}
+		(*m)[label] = v
+	default:
+		if c.Hops == nil {
+			c.Hops = map[string]HopStats{}
+		}
+		h := c.Hops[label]
+		*k.hop(&h) = v
+		c.Hops[label] = h
+	}
+}
+
 // countersFromC turns the summed mw_counters into Counters, by the model.
 func countersFromC(t *accelMwCounters) Counters {
 	c := Counters{Hops: map[string]HopStats{}}
