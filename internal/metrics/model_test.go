@@ -3,8 +3,6 @@
 package metrics
 
 import (
-	"encoding/json"
-	"os"
 	"strings"
 	"testing"
 
@@ -56,14 +54,7 @@ func TestEveryModelMetricServed(t *testing.T) {
 // the few served beside it (scrape error, cross-node, RED, process, build).
 // TestPrivilegedDashboardMetricsExist checks them against a live agent.
 func TestDashboardQueriesKnownMetrics(t *testing.T) {
-	b, err := os.ReadFile(dashboardFile)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var d dashboard
-	if err := json.Unmarshal(b, &d); err != nil {
-		t.Fatalf("dashboard JSON: %v", err)
-	}
+	d := readDashboard(t)
 	known := served(t, accel.Stats{CrossNode: &crossnode.Stats{Nodes: []crossnode.NodeState{{NetnsCookie: 1}}}})
 	model := map[string]bool{}
 	for _, k := range accel.CounterModel() {
