@@ -16,51 +16,19 @@ import (
 )
 
 // Stats are cumulative counters read from the pinned maps (they survive
-// agent restarts because the maps are pinned).
+// agent restarts because the maps are pinned): the data path's Counters and
+// what else the agent knows of its work.
 type Stats struct {
-	AcceleratedSockets  uint64            `json:"accelerated_sockets"`
-	RedirectedMessages  uint64            `json:"redirected_messages"`
-	RedirectedBytes     uint64            `json:"redirected_bytes"`
-	PassthroughMessages uint64            `json:"passthrough_messages"`
-	PassthroughBytes    uint64            `json:"passthrough_bytes"`
-	PassthroughByReason map[string]uint64 `json:"passthrough_by_reason"`
-	// PassthroughBytesByReason splits PassthroughBytes by reason.
-	PassthroughBytesByReason map[string]uint64 `json:"passthrough_bytes_by_reason"`
-	// PassthroughConnections counts connections left to TCP, by reason
-	// (including those never seen by sk_msg, such as policy exclusions).
-	PassthroughConnections map[string]uint64 `json:"passthrough_connections_by_reason"`
-	// RemovedSockets counts sockets kept off the SOCKHASH from the start
-	// (policy, splice_reader, no_local_peer: the connecting socket) or taken
-	// out of it again because their connection was left to TCP, by reason:
-	// from then on they are plain TCP sockets.
-	RemovedSockets map[string]uint64 `json:"removed_sockets_by_reason"`
-	PairedSockets  uint64            `json:"paired_sockets_total"`
-	// LeftSockets counts paired sockets that left the SOCKHASH after their
-	// connection went to TCP as a whole (small_stream, one-way backpressure), once nothing
-	// redirected was in flight or unread: plain TCP sockets since.
-	LeftSockets  uint64 `json:"left_sockets_total"`
-	SockhashFull uint64 `json:"sockhash_full"`
-	// NATPortRemaps counts paired connections whose source port NAT
-	// rewrote between the two ends (conntrack under REDIRECT or DNAT).
-	NATPortRemaps uint64 `json:"nat_port_remapped_connections"`
+	Counters
 	// BPFRunSeconds and BPFRuns are the CPU time and runs of the agent's BPF
 	// programs, from the kernel's per-program statistics (counted only while
 	// they are enabled: sysctl kernel.bpf_stats_enabled, or EnableBPFStats).
 	// Filled by Agent.Stats.
 	BPFRunSeconds float64 `json:"bpf_run_seconds"`
 	BPFRuns       uint64  `json:"bpf_runs"`
-	// FlowsFull counts observations lost because the flow table was full.
-	FlowsFull uint64 `json:"observe_flows_full"`
-	// Hops splits the redirect counters by mesh hop.
-	Hops map[string]HopStats `json:"hops"`
-	// SpliceSocketReads counts splice(2) calls reading a socket by processes
-	// of the accelerated cgroup. Such a reader cannot see redirected bytes.
-	SpliceSocketReads uint64 `json:"splice_socket_reads"`
-	// UnfitCalls counts the calls that taught a learned reason (splice_reader,
-	// waitall_reader, oob, rcvlowat, unread_close); UnfitProcesses names
-	// the processes. Later connections on those sockets' ports stay on TCP.
-	UnfitCalls     map[string]uint64 `json:"unfit_calls_by_reason"`
-	UnfitProcesses []UnfitProcess    `json:"unfit_processes,omitempty"`
+	// UnfitProcesses names the processes that taught a learned reason
+	// (Counters.UnfitCalls): later connections on those sockets' ports stay on TCP.
+	UnfitProcesses []UnfitProcess `json:"unfit_processes,omitempty"`
 	// OtherSockmapPrograms lists sock_ops and sk_msg programs on this node
 	// that are not meshwarp's (filled by ReadPinnedStats).
 	OtherSockmapPrograms []ProgramRef `json:"other_sockmap_programs,omitempty"`
@@ -120,13 +88,6 @@ func EachProgram(fn func(id ebpf.ProgramID, p *ebpf.Program)) {
 	}
 }
 
-// HopStats counts one hop kind.
-type HopStats struct {
-	PairedConnections  uint64 `json:"paired_connections"`
-	RedirectedMessages uint64 `json:"redirected_messages"`
-	RedirectedBytes    uint64 `json:"redirected_bytes"`
-}
-
 // Reason and hop names come from the C enums in the object's BTF
 // (MW_REASON_NO_PEER -> "no_peer"), indexed by value: bpf/accel/accel.h is
 // the only list. Read on first use, not at init (see btfenum.Lazy).
@@ -182,70 +143,10 @@ func readStats(m *ebpf.Map) (Stats, error) {
 // sumCounters folds the per-CPU copies into Stats.
 func sumCounters(perCPU []accelMwCounters) Stats {
 	var t accelMwCounters
-	for _, c := range perCPU {
-		t.SocketsPaired += c.SocketsPaired
-		t.SocketsClosed += c.SocketsClosed
-		t.SocketsLeft += c.SocketsLeft
-		t.RedirectedMsgs += c.RedirectedMsgs
-		t.RedirectedBytes += c.RedirectedBytes
-		t.SockhashFull += c.SockhashFull
-		t.SpliceSocketReads += c.SpliceSocketReads
-		t.NatPortRemaps += c.NatPortRemaps
-		t.FlowsFull += c.FlowsFull
-		for i := range t.PassthroughMsgs {
-			t.PassthroughMsgs[i] += c.PassthroughMsgs[i]
-			t.PassthroughBytes[i] += c.PassthroughBytes[i]
-			t.PassthroughConns[i] += c.PassthroughConns[i]
-			t.SocketsRemoved[i] += c.SocketsRemoved[i]
-			t.UnfitCalls[i] += c.UnfitCalls[i]
-		}
-		for i := range t.HopConns {
-			t.HopConns[i] += c.HopConns[i]
-			t.HopMsgs[i] += c.HopMsgs[i]
-			t.HopBytes[i] += c.HopBytes[i]
-		}
+	for i := range perCPU {
+		addCounters(&t, &perCPU[i])
 	}
-	s := Stats{
-		RedirectedMessages:       t.RedirectedMsgs,
-		RedirectedBytes:          t.RedirectedBytes,
-		PairedSockets:            t.SocketsPaired,
-		LeftSockets:              t.SocketsLeft,
-		SockhashFull:             t.SockhashFull,
-		SpliceSocketReads:        t.SpliceSocketReads,
-		NATPortRemaps:            t.NatPortRemaps,
-		FlowsFull:                t.FlowsFull,
-		PassthroughByReason:      map[string]uint64{},
-		PassthroughBytesByReason: map[string]uint64{},
-		PassthroughConnections:   map[string]uint64{},
-		RemovedSockets:           map[string]uint64{},
-		UnfitCalls:               map[string]uint64{},
-		Hops:                     map[string]HopStats{},
-	}
-	// Per-CPU counters are summed without a lock, so a close counted on one
-	// CPU can be seen before the matching pairing on another: clamp at 0.
-	if done := t.SocketsClosed + t.SocketsLeft; t.SocketsPaired > done {
-		s.AcceleratedSockets = t.SocketsPaired - done
-	}
-	for i, name := range reasonNames() {
-		if i == 0 {
-			continue
-		}
-		s.PassthroughByReason[name] = t.PassthroughMsgs[i]
-		s.PassthroughBytesByReason[name] = t.PassthroughBytes[i]
-		s.PassthroughConnections[name] = t.PassthroughConns[i]
-		s.RemovedSockets[name] = t.SocketsRemoved[i]
-		s.UnfitCalls[name] = t.UnfitCalls[i]
-		s.PassthroughMessages += t.PassthroughMsgs[i]
-		s.PassthroughBytes += t.PassthroughBytes[i]
-	}
-	for i, name := range hopNames() {
-		s.Hops[name] = HopStats{
-			PairedConnections:  t.HopConns[i],
-			RedirectedMessages: t.HopMsgs[i],
-			RedirectedBytes:    t.HopBytes[i],
-		}
-	}
-	return s
+	return Stats{Counters: countersFromC(&t)}
 }
 
 // Sub returns s - before, counter by counter (AcceleratedSockets is a gauge
@@ -263,41 +164,11 @@ func (s Stats) combine(o Stats, sub bool) Stats {
 		op = func(a, b uint64) uint64 { return a - b }
 	}
 	d := s
-	d.RedirectedMessages = op(s.RedirectedMessages, o.RedirectedMessages)
-	d.RedirectedBytes = op(s.RedirectedBytes, o.RedirectedBytes)
-	d.PassthroughMessages = op(s.PassthroughMessages, o.PassthroughMessages)
-	d.PassthroughBytes = op(s.PassthroughBytes, o.PassthroughBytes)
-	d.PairedSockets = op(s.PairedSockets, o.PairedSockets)
-	d.LeftSockets = op(s.LeftSockets, o.LeftSockets)
-	d.SockhashFull = op(s.SockhashFull, o.SockhashFull)
-	d.SpliceSocketReads = op(s.SpliceSocketReads, o.SpliceSocketReads)
-	d.NATPortRemaps = op(s.NATPortRemaps, o.NATPortRemaps)
-	d.FlowsFull = op(s.FlowsFull, o.FlowsFull)
+	d.Counters = s.Counters.combine(o.Counters, op)
 	d.BPFRuns = op(s.BPFRuns, o.BPFRuns)
 	d.BPFRunSeconds = s.BPFRunSeconds + o.BPFRunSeconds
 	if sub {
 		d.BPFRunSeconds = s.BPFRunSeconds - o.BPFRunSeconds
-	}
-	d.PassthroughByReason = combineMap(s.PassthroughByReason, o.PassthroughByReason, op)
-	d.PassthroughBytesByReason = combineMap(s.PassthroughBytesByReason, o.PassthroughBytesByReason, op)
-	d.PassthroughConnections = combineMap(s.PassthroughConnections, o.PassthroughConnections, op)
-	d.RemovedSockets = combineMap(s.RemovedSockets, o.RemovedSockets, op)
-	d.UnfitCalls = combineMap(s.UnfitCalls, o.UnfitCalls, op)
-	d.Hops = map[string]HopStats{}
-	keys := map[string]bool{}
-	for k := range s.Hops {
-		keys[k] = true
-	}
-	for k := range o.Hops {
-		keys[k] = true
-	}
-	for k := range keys {
-		v, b := s.Hops[k], o.Hops[k]
-		d.Hops[k] = HopStats{
-			PairedConnections:  op(v.PairedConnections, b.PairedConnections),
-			RedirectedMessages: op(v.RedirectedMessages, b.RedirectedMessages),
-			RedirectedBytes:    op(v.RedirectedBytes, b.RedirectedBytes),
-		}
 	}
 	if s.CrossNode != nil || o.CrossNode != nil {
 		var a, b crossnode.Stats

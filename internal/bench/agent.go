@@ -76,23 +76,7 @@ type Agent interface {
 
 // deltaOf is the report's view of the counters of one run (after.Sub(before)).
 func deltaOf(d accel.Stats) *AgentDelta {
-	out := &AgentDelta{
-		PairedSockets:       d.PairedSockets,
-		RedirectedMessages:  d.RedirectedMessages,
-		RedirectedBytes:     d.RedirectedBytes,
-		PassthroughMessages: d.PassthroughMessages,
-		PassthroughBytes:    d.PassthroughBytes,
-		PassthroughByReason: map[string]uint64{},
-		NATPortRemaps:       d.NATPortRemaps,
-		LeftSockets:         d.LeftSockets,
-		Hops:                d.Hops,
-		BPFRunSeconds:       d.BPFRunSeconds,
-	}
-	for k, v := range d.PassthroughByReason {
-		if v > 0 {
-			out.PassthroughByReason[k] = v
-		}
-	}
+	out := &AgentDelta{Counters: d.Counters.NonZero(), BPFRunSeconds: d.BPFRunSeconds}
 	if x := d.CrossNode; x != nil {
 		out.CrossNodeRedirected = x.RedirectedPackets
 		for k, v := range x.PassedPackets {
@@ -102,14 +86,6 @@ func deltaOf(d accel.Stats) *AgentDelta {
 				}
 				out.CrossNodePassed[k] = v
 			}
-		}
-	}
-	for k, v := range d.PassthroughConnections {
-		if v > 0 {
-			if out.PassthroughConnections == nil {
-				out.PassthroughConnections = map[string]uint64{}
-			}
-			out.PassthroughConnections[k] = v
 		}
 	}
 	return out

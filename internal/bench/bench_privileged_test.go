@@ -151,8 +151,8 @@ func checkQuickResults(t *testing.T, rep *bench.Report) {
 				if r.Hops == nil {
 					t.Errorf("%s %s: no hop counters", m, w)
 				} else {
-					redirected += r.Hops.RedirectedMessages
-					t.Logf("%s %s: accelerated hops %v, %.0f redirected, %.0f passthrough", m, w, r.Hops.Accelerated, r.Hops.RedirectedMessages, r.Hops.PassthroughMessages)
+					redirected += float64(r.Hops.RedirectedMessages)
+					t.Logf("%s %s: accelerated hops %v, %d redirected, %d passthrough", m, w, r.Hops.Accelerated, r.Hops.RedirectedMessages, r.Hops.PassthroughMessages)
 				}
 			}
 		}
@@ -299,7 +299,7 @@ func TestPrivilegedBenchCostWorkloads(t *testing.T) {
 				continue
 			}
 			if h.RedirectedMessages == 0 || h.BPFNSPerRedirectedMessage <= 0 {
-				t.Errorf("%s %s: %.0f messages redirected, %.0f ns of BPF per redirected message", m, w, h.RedirectedMessages, h.BPFNSPerRedirectedMessage)
+				t.Errorf("%s %s: %d messages redirected, %.0f ns of BPF per redirected message", m, w, h.RedirectedMessages, h.BPFNSPerRedirectedMessage)
 			}
 			if p, ok := h.BPFPrograms["mw_sockops"]; !ok || p.Runs <= 0 || p.NSPerRun <= 0 {
 				t.Errorf("%s %s: no sock_ops statistics: %+v", m, w, h.BPFPrograms)

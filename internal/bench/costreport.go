@@ -10,6 +10,21 @@ import (
 	"strings"
 )
 
+// AgentCost is the agent's own CPU and memory over a run.
+type AgentCost struct {
+	// ProcessCPUPercent is the CPU time of the process hosting the agent
+	// (the bench process: the agent's goroutines and an orchestrator that
+	// waits for the worker) in percent of one CPU over the run.
+	ProcessCPUPercent float64 `json:"process_cpu_percent"`
+	// BPFCPUPercent is the agent's BPF programs' run time in percent of one
+	// CPU (charged to the applications whose calls run them).
+	BPFCPUPercent float64 `json:"bpf_cpu_percent"`
+	// ProcessRSSBytes is the hosting process's resident memory at the end.
+	ProcessRSSBytes float64 `json:"process_rss_bytes"`
+	// BPFMemoryBytes is the kernel memory of the agent's maps and programs.
+	BPFMemoryBytes float64 `json:"bpf_memory_bytes"`
+}
+
 // summarizeCost fills the agent's cost into h: per BPF program, per
 // redirected message, and the hosting process (medians over the runs ss,
 // whose agent deltas are ds).

@@ -90,19 +90,12 @@ func newObservation(flows []accel.Flow, port int) *Observation {
 	return o
 }
 
-// AgentDelta is the change of the agent's counters over one run.
+// AgentDelta is the change of the agent's counters over one run: the
+// agent's own Counters, under the keys of `meshwarp status --json`
+// (accelerated_sockets is the gauge at the end of the run; maps by reason
+// hold the non-zero reasons only), and what the run cost the agent.
 type AgentDelta struct {
-	PairedSockets       uint64            `json:"paired_sockets"`
-	RedirectedMessages  uint64            `json:"redirected_messages"`
-	RedirectedBytes     uint64            `json:"redirected_bytes"`
-	PassthroughMessages uint64            `json:"passthrough_messages"`
-	PassthroughBytes    uint64            `json:"passthrough_bytes"`
-	PassthroughByReason map[string]uint64 `json:"passthrough_messages_by_reason,omitempty"`
-	// PassthroughConnections counts connections left to TCP, by reason (non-zero only).
-	PassthroughConnections map[string]uint64      `json:"passthrough_connections_by_reason,omitempty"`
-	NATPortRemaps          uint64                 `json:"nat_port_remapped_connections"`
-	LeftSockets            uint64                 `json:"left_sockets"`
-	Hops                   map[string]HopCounters `json:"by_hop,omitempty"`
+	accel.Counters
 	// BPFRunSeconds is the CPU time of the agent's BPF programs over the run.
 	BPFRunSeconds float64 `json:"bpf_run_seconds,omitempty"`
 	// BPFPrograms splits the BPF run time by program (kernel statistics).
@@ -226,13 +219,12 @@ type MinMaxValue struct {
 // HopsSummary tells which hops the agent accelerated during a run.
 type HopsSummary struct {
 	// Accelerated names the hops with redirected messages.
-	Accelerated         []string               `json:"accelerated"`
-	PairedSockets       float64                `json:"paired_sockets"`
-	RedirectedMessages  float64                `json:"redirected_messages"`
-	RedirectedBytes     float64                `json:"redirected_bytes"`
-	PassthroughMessages float64                `json:"passthrough_messages"`
-	PassthroughBytes    float64                `json:"passthrough_bytes"`
-	ByHop               map[string]HopCounters `json:"by_hop"`
+	Accelerated []string `json:"accelerated"`
+	// Counters are the medians over repeats of the agent's counters
+	// (AgentDelta), rounded; passthrough_connections_by_reason holds the
+	// most connections any one repeat left to TCP, by reason: a single bad
+	// repeat shows.
+	accel.Counters
 	// BPFUSPerRequest is the agent's BPF CPU time per request (fortio workloads).
 	BPFUSPerRequest float64 `json:"bpf_us_per_request,omitempty"`
 	// BPFNSPerRedirectedMessage is the agent's BPF CPU time (every program)
@@ -241,11 +233,7 @@ type HopsSummary struct {
 	// BPFPrograms is each program's share (medians over repeats).
 	BPFPrograms map[string]BPFProgramSummary `json:"bpf_programs,omitempty"`
 	// Cost is what the agent itself used over the run (medians over repeats).
-	Cost                *AgentCost        `json:"agent_cost,omitempty"`
-	PassthroughByReason map[string]uint64 `json:"passthrough_messages_by_reason,omitempty"`
-	// PassthroughConnections is the most connections any one repeat left
-	// to TCP, by reason: a single bad repeat shows.
-	PassthroughConnections map[string]uint64 `json:"passthrough_connections_by_reason,omitempty"`
+	Cost *AgentCost `json:"agent_cost,omitempty"`
 }
 
 // BPFProgramSummary is one BPF program's cost in a result.
@@ -259,21 +247,6 @@ type BPFProgramSummary struct {
 	NSPerRequest   float64 `json:"ns_per_request,omitempty"`
 	// NSPerRedirectedMessage is its run time per redirected message.
 	NSPerRedirectedMessage float64 `json:"ns_per_redirected_message,omitempty"`
-}
-
-// AgentCost is the agent's own CPU and memory over a run.
-type AgentCost struct {
-	// ProcessCPUPercent is the CPU time of the process hosting the agent
-	// (the bench process: the agent's goroutines and an orchestrator that
-	// waits for the worker) in percent of one CPU over the run.
-	ProcessCPUPercent float64 `json:"process_cpu_percent"`
-	// BPFCPUPercent is the agent's BPF programs' run time in percent of one
-	// CPU (charged to the applications whose calls run them).
-	BPFCPUPercent float64 `json:"bpf_cpu_percent"`
-	// ProcessRSSBytes is the hosting process's resident memory at the end.
-	ProcessRSSBytes float64 `json:"process_rss_bytes"`
-	// BPFMemoryBytes is the kernel memory of the agent's maps and programs.
-	BPFMemoryBytes float64 `json:"bpf_memory_bytes"`
 }
 
 // Histogram is a histogram on explicit edges (len(Counts) == len(EdgesUS)-1).
@@ -528,23 +501,7 @@ func summarizeHops(ss []Sample) *HopsSummary {
 	if len(ds) == 0 {
 		return nil
 	}
-	medU := func(f func(*AgentDelta) uint64) float64 {
-		v := make([]float64, len(ds))
-		for i, d := range ds {
-			v[i] = float64(f(d))
-		}
-		m, _ := Median(v)
-		return m
-	}
-	h := &HopsSummary{
-		Accelerated:         []string{},
-		PairedSockets:       medU(func(d *AgentDelta) uint64 { return d.PairedSockets }),
-		RedirectedMessages:  medU(func(d *AgentDelta) uint64 { return d.RedirectedMessages }),
-		RedirectedBytes:     medU(func(d *AgentDelta) uint64 { return d.RedirectedBytes }),
-		PassthroughMessages: medU(func(d *AgentDelta) uint64 { return d.PassthroughMessages }),
-		PassthroughBytes:    medU(func(d *AgentDelta) uint64 { return d.PassthroughBytes }),
-		ByHop:               map[string]HopCounters{},
-	}
+	h := &HopsSummary{Accelerated: []string{}, Counters: medianCounters(ds)}
 	var perReq []float64
 	for _, s := range ss {
 		if s.Agent != nil && s.Requests > 0 && s.Agent.BPFRunSeconds > 0 {
@@ -553,28 +510,13 @@ func summarizeHops(ss []Sample) *HopsSummary {
 	}
 	h.BPFUSPerRequest, _ = Median(perReq)
 	summarizeCost(h, ss, ds)
-	names := map[string]bool{}
-	reasons := map[string]bool{}
-	for _, d := range ds {
-		for n := range d.Hops {
-			names[n] = true
-		}
-		for n := range d.PassthroughByReason {
-			reasons[n] = true
-		}
-	}
-	for n := range names {
-		c := HopCounters{
-			PairedConnections:  uint64(medU(func(d *AgentDelta) uint64 { return d.Hops[n].PairedConnections })),
-			RedirectedMessages: uint64(medU(func(d *AgentDelta) uint64 { return d.Hops[n].RedirectedMessages })),
-			RedirectedBytes:    uint64(medU(func(d *AgentDelta) uint64 { return d.Hops[n].RedirectedBytes })),
-		}
-		h.ByHop[n] = c
+	for n, c := range h.Hops {
 		if c.RedirectedMessages > 0 {
 			h.Accelerated = append(h.Accelerated, n)
 		}
 	}
 	sort.Strings(h.Accelerated)
+	h.PassthroughConnections = nil
 	for _, d := range ds {
 		for n, v := range d.PassthroughConnections {
 			if h.PassthroughConnections == nil {
@@ -583,15 +525,30 @@ func summarizeHops(ss []Sample) *HopsSummary {
 			h.PassthroughConnections[n] = max(h.PassthroughConnections[n], v)
 		}
 	}
-	for n := range reasons {
-		if h.PassthroughByReason == nil {
-			h.PassthroughByReason = map[string]uint64{}
+	return h
+}
+
+// medianCounters is, counter by counter of the model and label by label,
+// the median of ds (rounded), without the zero entries of maps by reason.
+func medianCounters(ds []*AgentDelta) accel.Counters {
+	var m accel.Counters
+	for _, k := range accel.CounterModel() {
+		labels := map[string]bool{}
+		for _, d := range ds {
+			for l := range k.Values(d.Counters) {
+				labels[l] = true
+			}
 		}
-		if v := uint64(medU(func(d *AgentDelta) uint64 { return d.PassthroughByReason[n] })); v > 0 {
-			h.PassthroughByReason[n] = v
+		for l := range labels {
+			v := make([]float64, len(ds))
+			for i, d := range ds {
+				v[i] = float64(k.Values(d.Counters)[l])
+			}
+			med, _ := Median(v)
+			k.Set(&m, l, uint64(math.Round(med)))
 		}
 	}
-	return h
+	return m.NonZero()
 }
 
 // FindResult returns the result of mode x workload x size.

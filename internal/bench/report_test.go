@@ -45,11 +45,11 @@ func fixtureReport(t *testing.T) *Report {
 				}
 				s := FortioSample(m, w, rep, res, 0.05*qps*10/1000)
 				if ModeAgent(m) {
-					s.Agent = deltaOf(accel.Stats{
+					s.Agent = deltaOf(accel.Stats{Counters: accel.Counters{
 						PairedSockets: 200, RedirectedMessages: 1000, RedirectedBytes: 1e6, NATPortRemaps: 3,
 						PassthroughConnections: map[string]uint64{"hint_missed": 1, "policy": 0},
 						Hops:                   map[string]HopCounters{"app_to_sidecar": {PairedConnections: 64, RedirectedMessages: 500, RedirectedBytes: 5e5}, "sidecar_to_sidecar": {PairedConnections: 64, RedirectedMessages: 500, RedirectedBytes: 5e5}, "direct": {}},
-					})
+					}})
 				}
 				samples = append(samples, s)
 			}

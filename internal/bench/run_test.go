@@ -107,10 +107,10 @@ func (f *fakeAgent) Stats() (accel.Stats, error) {
 	if hook != nil {
 		hook()
 	}
-	return accel.Stats{
+	return accel.Stats{Counters: accel.Counters{
 		RedirectedMessages: n * 100,
 		Hops:               map[string]HopCounters{"direct": {PairedConnections: n, RedirectedMessages: n * 100}},
-	}, nil
+	}}, nil
 }
 
 func (f *fakeAgent) Uninstall() error {

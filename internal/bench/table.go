@@ -295,7 +295,7 @@ func (r *Report) hopLines(wl string, size int) []string {
 		if size > 0 {
 			at = " (" + sizeLabel(size) + ")"
 		}
-		line := fmt.Sprintf("%s%s: accelerated hops: %s; %.0f messages redirected, %.0f passed through TCP",
+		line := fmt.Sprintf("%s%s: accelerated hops: %s; %d messages redirected, %d passed through TCP",
 			m, at, acc, h.RedirectedMessages, h.PassthroughMessages)
 		if h.BPFUSPerRequest > 0 {
 			line += fmt.Sprintf("; BPF programs %.2f us per request", h.BPFUSPerRequest)

@@ -31,53 +31,7 @@ attached). Counters are cumulative across agent restarts.
   accelerated_sockets     sockets paired right now (both ends of a connection count)
   redirected_*            bytes/messages moved socket-to-socket
   passthrough_*           traffic and connections that used the normal stack, by reason:
-    no_local_peer   no listener of the attached cgroup answered this connection's SYN
-                    from the client's address: a remote server, a server outside the
-                    cgroup, or source NAT. The socket never joined the data path.
-    no_peer         the first byte was sent before (or without) a local peer socket
-    unpaired_timeout the peer socket did not join within the unpaired timeout
-    peer_closed     the peer socket had closed; TCP answers as without meshwarp
-    sockhash_full   --capacity reached
-    sockmap_busy    another program's sockmap already runs an sk_msg program on the socket
-    key_collision   two live connections drew the same identity (both left to TCP)
-    addr_mismatch   the peer saw another source address (SNAT): not provably a pair
-    backpressure    the receiver left more than the redirect budget unread: that direction
-                    continues on TCP, whose flow control blocks the writer (the whole
-                    connection, and its sockets leave like small_stream's, when the
-                    receiver never sent; not with --keep-small-streams)
-    small_stream    one side wrote 16 messages without a message back, averaging under
-                    32 KB (loopback) or 256 B (across pods): TCP coalesces such writes,
-                    the redirect pays per write, so the connection continues on TCP
-                    (run --keep-small-streams turns this off)
-    send_shutdown   a write after shutdown(SHUT_WR): TCP answers EPIPE (messages only)
-    tcp_repair      a socket in TCP_REPAIR mode (its sequence numbers prove nothing)
-    rcvlowat        SO_RCVLOWAT was set; the redirect ignores it
-    peek_off        SO_PEEK_OFF was set; the redirect's MSG_PEEK ignores the offset
-    tcp_inq         TCP_INQ was set; redirected bytes carry no TCP_CM_INQ message
-    timestamp       SO_TIMESTAMP(NS) or SO_TIMESTAMPING was set; redirected bytes carry
-                    no timestamps
-    zerocopy        SO_ZEROCOPY was set; MSG_ZEROCOPY completions never come for
-                    redirected bytes
-                    These five are seen on the socket when it is established (set before
-                    connect(), or inherited from the listener) and, later, by a cgroup
-                    setsockopt hook: before any byte was redirected the connection simply
-                    stays on TCP; after, it moves to TCP at its next switch point and the
-                    ports are learned for later connections
-    policy          excluded by port/CIDR policy (connections only)
-    hint_missed     both ends are in the cgroup, but the note of the answered SYN did not
-                    reach the connecting socket
-    early_data      bytes were written before the connection was established (TCP Fast
-                    Open, a write racing connect): they went by TCP, so that direction stays
-   learned (only with run --learn-from-syscalls): a process did this on an accelerated
-   socket of the same port, which the redirect cannot honour; later connections on
-   that port stay on TCP:
-    splice_reader   read it with splice(2) (sees only the TCP queue)
-    waitall_reader  recv(MSG_WAITALL) (the redirect queue returns what it holds)
-    oob             SO_OOBINLINE set, or (learned) sent or read MSG_OOB: redirected bytes carry no urgent mark
-    unread_close    closed it with unread bytes (TCP would send RST; the redirect path FIN)
-    disconnect      connect(AF_UNSPEC) on it (the redirect queue outlives the connection)
-    fionread_reader ioctl(FIONREAD) on it, on kernels whose FIONREAD leaves out redirected
-                    bytes (6.1; see meshwarp probe)
+` + accel.ReasonsHelp(4, 88) + `
   removed_sockets_by_reason  sockets kept off the SOCKHASH (the connecting socket of a
                           no_local_peer, policy or splice_reader connection) or taken out
                           of it once their connection was left to TCP: from then on they
@@ -85,11 +39,17 @@ attached). Counters are cumulative across agent restarts.
                           A paired socket of a connection that went to TCP as a whole
                           (small_stream, one-way backpressure) leaves once its redirected
                           bytes are read
+  paired_sockets_total    sockets that joined a paired connection
   left_sockets_total      those paired sockets that left (not counted as accelerated any more)
+  sockhash_full           sockets not accelerated because the SOCKHASH was at capacity
+  nat_port_remapped_connections  connections paired although NAT (conntrack under REDIRECT
+                          or DNAT) rewrote their source port between the two ends
+  observe_flows_full      observations lost because the flow table was full
   other_sockmap_programs  sock_ops/sk_msg programs of other tools on this node; a socket
                           whose sk_msg belongs to them stays on TCP (sockmap_busy)
   hops                    per mesh hop: app_to_sidecar, sidecar_to_sidecar, sidecar_to_app, direct
   splice_socket_reads     splice(2) reads of sockets by processes of the cgroup
+  unfit_calls_by_reason   calls on accelerated sockets that taught a learned reason
   unfit_processes         the processes that taught a learned reason, with their calls
                           (watched while 'meshwarp run' runs)
   cross_node              with run --cross-node: packets redirected to_wire (local pod to

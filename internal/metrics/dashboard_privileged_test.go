@@ -45,13 +45,9 @@ type dashboard struct {
 	} `json:"panels"`
 }
 
-// metricName matches the selectors of the dashboard's queries (every one has {instance=~...}).
-var metricName = regexp.MustCompile(`\b((?:meshwarp|http)_[a-z_]+)\{`)
-
-// The dashboard is well formed for the schema version it declares, and every
-// metric its queries use is served by a live agent's /metrics.
-func TestPrivilegedDashboardMetricsExist(t *testing.T) {
-	testutil.RequirePrivileged(t)
+// readDashboard parses deploy/grafana/meshwarp.json.
+func readDashboard(t *testing.T) dashboard {
+	t.Helper()
 	b, err := os.ReadFile(dashboardFile)
 	if err != nil {
 		t.Fatal(err)
@@ -60,6 +56,17 @@ func TestPrivilegedDashboardMetricsExist(t *testing.T) {
 	if err := json.Unmarshal(b, &d); err != nil {
 		t.Fatalf("dashboard JSON: %v", err)
 	}
+	return d
+}
+
+// metricName matches the selectors of the dashboard's queries (every one has {instance=~...}).
+var metricName = regexp.MustCompile(`\b((?:meshwarp|http)_[a-z_]+)\{`)
+
+// The dashboard is well formed for the schema version it declares, and every
+// metric its queries use is served by a live agent's /metrics.
+func TestPrivilegedDashboardMetricsExist(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	d := readDashboard(t)
 	if d.SchemaVersion < 36 || d.UID == "" || d.Title == "" || len(d.Panels) == 0 {
 		t.Fatalf("dashboard header: schemaVersion %d (want >= 36, the version its panel model follows), uid %q, title %q, %d panels",
 			d.SchemaVersion, d.UID, d.Title, len(d.Panels))

@@ -28,39 +28,24 @@ import (
 // StatsFunc reads the current counters.
 type StatsFunc func() (accel.Stats, error)
 
+// accelDescs describe the accel counters that are metrics, from the model
+// (accel.CounterModel), in its order.
+var accelDescs = func() []*prometheus.Desc {
+	var out []*prometheus.Desc
+	for _, k := range accel.CounterModel() {
+		if k.Metric == "" {
+			continue
+		}
+		var labels []string
+		if k.Label != "" {
+			labels = []string{k.Label}
+		}
+		out = append(out, prometheus.NewDesc(k.Metric, k.Help, labels, nil))
+	}
+	return out
+}()
+
 var (
-	descSockets = prometheus.NewDesc("meshwarp_accel_sockets",
-		"Sockets currently accelerated (paired and not yet closed).", nil, nil)
-	descRedirBytes = prometheus.NewDesc("meshwarp_accel_redirected_bytes_total",
-		"Bytes moved socket-to-socket by sk_msg, skipping the TCP/IP stack.", nil, nil)
-	descRedirMsgs = prometheus.NewDesc("meshwarp_accel_redirected_messages_total",
-		"sendmsg calls whose data was redirected to the peer socket.", nil, nil)
-	descPassMsgs = prometheus.NewDesc("meshwarp_accel_passthrough_messages_total",
-		"Messages of tracked sockets sent through the normal TCP stack, by reason.", []string{"reason"}, nil)
-	descPassBytes = prometheus.NewDesc("meshwarp_accel_passthrough_bytes_total",
-		"Bytes of tracked sockets sent through the normal TCP stack, by reason.", []string{"reason"}, nil)
-	descPassConns = prometheus.NewDesc("meshwarp_accel_passthrough_connections_total",
-		"Connections left to the normal TCP stack, by reason.", []string{"reason"}, nil)
-	descRemoved = prometheus.NewDesc("meshwarp_accel_removed_sockets_total",
-		"Sockets kept off the SOCKHASH or taken out of it again because their connection was left to TCP (plain TCP sockets from then on), by reason.", []string{"reason"}, nil)
-	descLeft = prometheus.NewDesc("meshwarp_accel_left_sockets_total",
-		"Paired sockets that left the SOCKHASH after their connection went to TCP as a whole (small_stream, one-way backpressure), once their redirected bytes were read.", nil, nil)
-	descFull = prometheus.NewDesc("meshwarp_accel_sockhash_full_total",
-		"Sockets not accelerated because the SOCKHASH was at capacity.", nil, nil)
-	descHopConns = prometheus.NewDesc("meshwarp_accel_hop_paired_connections_total",
-		"Connections paired, by mesh hop.", []string{"hop"}, nil)
-	descHopBytes = prometheus.NewDesc("meshwarp_accel_hop_redirected_bytes_total",
-		"Bytes redirected, by mesh hop.", []string{"hop"}, nil)
-	descHopMsgs = prometheus.NewDesc("meshwarp_accel_hop_redirected_messages_total",
-		"Messages redirected, by mesh hop.", []string{"hop"}, nil)
-	descSplice = prometheus.NewDesc("meshwarp_accel_splice_socket_reads_total",
-		"splice(2) reads from sockets by processes of the accelerated cgroup (such readers cannot see redirected bytes).", nil, nil)
-	descNATRemaps = prometheus.NewDesc("meshwarp_accel_nat_port_remapped_connections_total",
-		"Connections paired although NAT (conntrack under REDIRECT or DNAT) rewrote their source port between the two ends.", nil, nil)
-	descUnfit = prometheus.NewDesc("meshwarp_accel_unfit_calls_total",
-		"Calls on accelerated sockets that a redirect cannot honour (splice, MSG_WAITALL, MSG_OOB, SO_RCVLOWAT, close with unread bytes), by the reason they teach: later connections on those ports stay on TCP.", []string{"reason"}, nil)
-	descFlowsFull = prometheus.NewDesc("meshwarp_observe_flows_full_total",
-		"Observations lost because the flow table (mw_flows) was full.", nil, nil)
 	descXNPackets = prometheus.NewDesc("meshwarp_crossnode_redirected_packets_total",
 		"Packets redirected past the node's bridge, netfilter and routing (run --cross-node), by direction: to_wire (a local pod to another node), to_pod (another node into a local pod).", []string{"direction"}, nil)
 	descXNBytes = prometheus.NewDesc("meshwarp_crossnode_redirected_bytes_total",
@@ -77,9 +62,10 @@ var (
 type accelCollector struct{ read StatsFunc }
 
 func (c accelCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSockets, descRedirBytes, descRedirMsgs, descPassMsgs, descPassBytes,
-		descPassConns, descRemoved, descLeft, descFull, descHopConns, descHopBytes, descHopMsgs, descSplice, descNATRemaps, descUnfit, descFlowsFull, descScrapeErr,
-		descXNPackets, descXNBytes, descXNPassed, descXNNode} {
+	for _, d := range accelDescs {
+		ch <- d
+	}
+	for _, d := range []*prometheus.Desc{descScrapeErr, descXNPackets, descXNBytes, descXNPassed, descXNNode} {
 		ch <- d
 	}
 }
@@ -91,26 +77,25 @@ func (c accelCollector) Collect(ch chan<- prometheus.Metric) {
 		return
 	}
 	ch <- prometheus.MustNewConstMetric(descScrapeErr, prometheus.GaugeValue, 0)
-	ch <- prometheus.MustNewConstMetric(descSockets, prometheus.GaugeValue, float64(s.AcceleratedSockets))
-	ch <- prometheus.MustNewConstMetric(descRedirBytes, prometheus.CounterValue, float64(s.RedirectedBytes))
-	ch <- prometheus.MustNewConstMetric(descRedirMsgs, prometheus.CounterValue, float64(s.RedirectedMessages))
-	ch <- prometheus.MustNewConstMetric(descFull, prometheus.CounterValue, float64(s.SockhashFull))
-	ch <- prometheus.MustNewConstMetric(descLeft, prometheus.CounterValue, float64(s.LeftSockets))
-	ch <- prometheus.MustNewConstMetric(descSplice, prometheus.CounterValue, float64(s.SpliceSocketReads))
-	ch <- prometheus.MustNewConstMetric(descNATRemaps, prometheus.CounterValue, float64(s.NATPortRemaps))
-	ch <- prometheus.MustNewConstMetric(descFlowsFull, prometheus.CounterValue, float64(s.FlowsFull))
-	for _, r := range accel.ReasonNames() {
-		ch <- prometheus.MustNewConstMetric(descPassMsgs, prometheus.CounterValue, float64(s.PassthroughByReason[r]), r)
-		ch <- prometheus.MustNewConstMetric(descPassBytes, prometheus.CounterValue, float64(s.PassthroughBytesByReason[r]), r)
-		ch <- prometheus.MustNewConstMetric(descPassConns, prometheus.CounterValue, float64(s.PassthroughConnections[r]), r)
-		ch <- prometheus.MustNewConstMetric(descRemoved, prometheus.CounterValue, float64(s.RemovedSockets[r]), r)
-		ch <- prometheus.MustNewConstMetric(descUnfit, prometheus.CounterValue, float64(s.UnfitCalls[r]), r)
-	}
-	for _, h := range accel.HopNames() {
-		hs := s.Hops[h]
-		ch <- prometheus.MustNewConstMetric(descHopConns, prometheus.CounterValue, float64(hs.PairedConnections), h)
-		ch <- prometheus.MustNewConstMetric(descHopBytes, prometheus.CounterValue, float64(hs.RedirectedBytes), h)
-		ch <- prometheus.MustNewConstMetric(descHopMsgs, prometheus.CounterValue, float64(hs.RedirectedMessages), h)
+	i := 0
+	for _, k := range accel.CounterModel() {
+		if k.Metric == "" {
+			continue
+		}
+		d := accelDescs[i]
+		i++
+		kind := prometheus.CounterValue
+		if k.Gauge {
+			kind = prometheus.GaugeValue
+		}
+		v := k.Values(s.Counters)
+		if k.Label == "" {
+			ch <- prometheus.MustNewConstMetric(d, kind, float64(v[""]))
+			continue
+		}
+		for _, l := range k.LabelValues() {
+			ch <- prometheus.MustNewConstMetric(d, kind, float64(v[l]), l)
+		}
 	}
 	if x := s.CrossNode; x != nil {
 		for _, d := range crossnode.DirectionNames() {

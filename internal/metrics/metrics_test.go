@@ -15,13 +15,13 @@ import (
 
 func TestMetricsFromStats(t *testing.T) {
 	read := func() (accel.Stats, error) {
-		return accel.Stats{
+		return accel.Stats{Counters: accel.Counters{
 			AcceleratedSockets:  4,
 			RedirectedBytes:     1024,
 			RedirectedMessages:  2,
 			PassthroughByReason: map[string]uint64{"no_peer": 3},
 			Hops:                map[string]accel.HopStats{"app_to_sidecar": {RedirectedBytes: 512}},
-		}, nil
+		}}, nil
 	}
 	srv := httptest.NewServer(Handler(read, nil))
 	defer srv.Close()
