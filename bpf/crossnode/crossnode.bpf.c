@@ -63,9 +63,8 @@ static __always_inline enum mw_xn_reason admit(struct __sk_buff *skb, __u32 kind
 					       struct mw_xn_dev **dev, struct pkt *p, struct bpf_fib_lookup *fib)
 {
 	*cookie = dev_netns_cookie(skb);
-	struct mw_xn_dev_key dk = { .netns_cookie = *cookie, .ifindex = skb->ifindex };
-	*dev = bpf_map_lookup_elem(&mw_xn_devs, &dk);
-	if (!*dev || (*dev)->kind != kind)
+	*dev = dev_of(*cookie, skb->ifindex, kind);
+	if (!*dev)
 		return MW_XN_REASON_NOT_CROSS_NODE;
 	pull_headers(skb);
 	void *data = SKB_PTR(skb, data), *end = SKB_PTR(skb, data_end);
@@ -105,9 +104,7 @@ int mw_xn_from_pod(struct __sk_buff *skb)
 	long rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
 		return pass(fib_reason(rc));
-	struct mw_xn_dev_key ek = { .netns_cookie = cookie, .ifindex = fib.ifindex };
-	struct mw_xn_dev *out = bpf_map_lookup_elem(&mw_xn_devs, &ek);
-	if (!out || out->kind != MW_XN_KIND_UPLINK)
+	if (!dev_of(cookie, fib.ifindex, MW_XN_KIND_UPLINK))
 		return pass(MW_XN_REASON_NOT_CROSS_NODE);
 	if (!fits(skb, fib.ifindex))
 		return pass(MW_XN_REASON_MTU);
@@ -144,9 +141,7 @@ int mw_xn_from_wire(struct __sk_buff *skb)
 		return pass(MW_XN_REASON_NO_NEIGHBOUR);
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS)
 		return pass(fib_reason(rc));
-	struct mw_xn_dev_key bk = { .netns_cookie = cookie, .ifindex = fib.ifindex };
-	struct mw_xn_dev *br = bpf_map_lookup_elem(&mw_xn_devs, &bk);
-	if (!br || br->kind != MW_XN_KIND_BRIDGE)
+	if (!dev_of(cookie, fib.ifindex, MW_XN_KIND_BRIDGE))
 		return pass(MW_XN_REASON_NOT_CROSS_NODE);
 	if (!fits(skb, fib.ifindex))
 		return pass(MW_XN_REASON_MTU);
@@ -157,11 +152,10 @@ int mw_xn_from_wire(struct __sk_buff *skb)
 	__u32 *port = bpf_map_lookup_elem(&mw_xn_macs, &mk);
 	if (!port)
 		return pass(MW_XN_REASON_UNKNOWN_POD);
-	struct mw_xn_dev_key pk = { .netns_cookie = cookie, .ifindex = *port };
-	struct mw_xn_dev *pod = bpf_map_lookup_elem(&mw_xn_devs, &pk);
-	if (!pod || pod->kind != MW_XN_KIND_POD || pod->l3_ifindex != fib.ifindex)
+	__u32 target = *port;
+	struct mw_xn_dev *pod = dev_of(cookie, target, MW_XN_KIND_POD);
+	if (!pod || pod->l3_ifindex != fib.ifindex)
 		return pass(MW_XN_REASON_UNKNOWN_POD);
-	__u32 target = pk.ifindex;
 	if (forward_headers(skb, p.proto, fib.dmac, fib.smac))
 		return pass(MW_XN_REASON_MALFORMED);
 	count_redirect(MW_XN_DIR_TO_POD, p.len, 0);

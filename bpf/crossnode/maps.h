@@ -42,6 +42,15 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } mw_xn_stats SEC(".maps");
 
+/* The device the agent manages at ifindex in the node, when it is of kind; else NULL. */
+static __always_inline struct mw_xn_dev *dev_of(__u64 cookie, __u32 ifindex, __u32 kind)
+{
+	struct mw_xn_dev_key k = { .netns_cookie = cookie, .ifindex = ifindex };
+	struct mw_xn_dev *d = bpf_map_lookup_elem(&mw_xn_devs, &k);
+
+	return d && d->kind == kind ? d : NULL;
+}
+
 static __always_inline struct mw_xn_counters *counters(void)
 {
 	__u32 zero = 0;
