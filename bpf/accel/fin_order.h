@@ -24,24 +24,13 @@
 #define MW_FIN_HOLD_NS (20 * 1000 * 1000ULL) /* coarse clock: a few ticks */
 #define MW_TCP_FIN 0x01
 
-/* The TCP flags byte of an egress TCP segment, or 0 (skb->data is the IP header). */
+/* The TCP flags byte of an egress TCP segment, or 0. */
 static __always_inline __u8 tcp_flags_of(struct __sk_buff *skb)
 {
-	void *data = (void *)(long)skb->data, *data_end = (void *)(long)skb->data_end;
 	__u32 off;
-	__u8 b0;
+	__u8 *tcp = skb_tcp_header(skb, &off);
 
-	if (data + 1 > data_end)
-		return 0;
-	b0 = *(__u8 *)data;
-	if (b0 >> 4 == 4)
-		off = (b0 & 0xf) * 4;
-	else
-		off = 40; /* a TCP socket's own segments carry no extension headers */
-	off &= 0x3f;
-	if (data + off + 14 > data_end)
-		return 0;
-	return *(__u8 *)(data + off + 13);
+	return tcp ? tcp[13] : 0;
 }
 
 SEC("cgroup_skb/egress")

@@ -45,8 +45,6 @@ const volatile __u32 stream_small_bytes_remote; /* across namespaces (veth) */
 /* A connect older than this is not in flight any more (SYN retransmits come at 1 s and 3 s). */
 #define MW_CONNECT_TTL_NS (5000ULL * 1000 * 1000)
 
-
-
 /* Capacity is set by the loader (MaxEntries); this is the default. */
 #define MW_DEFAULT_CAPACITY 65536
 

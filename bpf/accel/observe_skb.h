@@ -62,8 +62,8 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 	struct bpf_sock *sk;
 	__u8 buf[MW_OBS_PEEK] = {};
 	__u32 off, len, seq, end;
-	void *data, *data_end, *tcp;
-	__u8 b0, doff;
+	void *tcp;
+	__u8 doff;
 	__u64 now;
 
 	/* Pure ACKs first out: 20 B IPv4 + 32 B TCP with timestamps carry no payload. */
@@ -80,21 +80,10 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 		return 1; /* its end was recorded */
 	/*
 	 * The headers are in the linear part (direct reads); the payload may
-	 * be in page fragments (bpf_skb_load_bytes). By the packet's version:
-	 * a dual-stack socket carries IPv4 too.
+	 * be in page fragments (bpf_skb_load_bytes).
 	 */
-	data = (void *)(long)skb->data;
-	data_end = (void *)(long)skb->data_end;
-	if (data + 1 > data_end)
-		return 1;
-	b0 = *(__u8 *)data;
-	if (b0 >> 4 == 4)
-		off = (b0 & 0xf) * 4;
-	else
-		off = 40; /* a TCP socket's own segments carry no extension headers here */
-	off &= 0x3f;
-	tcp = data + off;
-	if (tcp + 20 > data_end)
+	tcp = skb_tcp_header(skb, &off);
+	if (!tcp)
 		return 1;
 	seq = *(__u32 *)(tcp + 4);
 	doff = *(__u8 *)(tcp + 12);

@@ -2,9 +2,10 @@
 /*
  * What the programs read from a socket: the endpoints a context reports
  * (sock_ops, sk_msg and bpf_sock name them alike), the owner's uid, the
- * socket's psock (the redirect queue, through CO-RE), and the sock_ops
- * callbacks a socket asks for. Attaches to nothing; pairing, the redirect,
- * observation, the tap and learning use it.
+ * socket's psock (the redirect queue, through CO-RE), the sock_ops
+ * callbacks a socket asks for, and where a cgroup_skb segment's TCP header
+ * is. Attaches to nothing; pairing, the redirect, observation, the tap,
+ * learning and mw_fin_order use it.
  */
 #ifndef MESHWARP_SOCK_H
 #define MESHWARP_SOCK_H
@@ -206,6 +207,32 @@ static __always_inline __u32 psock_refs(struct sock *sk)
 	struct sk_psock *psock = psock_of(sk);
 
 	return psock ? BPF_CORE_READ(psock, refcnt.refs.counter) : 0;
+}
+
+/*
+ * The TCP header of a TCP socket's segment as cgroup_skb sees it (skb->data
+ * is the network header, in the linear part) and its offset, or NULL when
+ * its fixed 20 bytes are not there. By the packet's version: a dual-stack
+ * socket carries IPv4 too.
+ */
+static __always_inline void *skb_tcp_header(struct __sk_buff *skb, __u32 *off)
+{
+	void *data = (void *)(long)skb->data, *data_end = (void *)(long)skb->data_end;
+	__u32 o;
+	__u8 b0;
+
+	if (data + 1 > data_end)
+		return NULL;
+	b0 = *(__u8 *)data;
+	if (b0 >> 4 == 4)
+		o = (b0 & 0xf) * 4;
+	else
+		o = 40; /* a TCP socket's own segments carry no extension headers */
+	o &= 0x3f;
+	if (data + o + 20 > data_end)
+		return NULL;
+	*off = o;
+	return data + o;
 }
 
 #endif /* MESHWARP_SOCK_H */

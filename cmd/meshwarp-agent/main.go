@@ -7,17 +7,11 @@
 package main
 
 import (
-	"context"
 	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/meshwarp/meshwarp/internal/cli"
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := cli.Execute(ctx, cli.NewAgentCommand(), os.Args[1:])
-	stop()
-	os.Exit(code)
+	os.Exit(cli.Main(cli.NewAgentCommand()))
 }

@@ -7,18 +7,12 @@
 package main
 
 import (
-	"context"
 	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/meshwarp/meshwarp/internal/cli"
 	"github.com/meshwarp/meshwarp/internal/cli/full"
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := cli.Execute(ctx, full.NewRootCommand(), os.Args[1:])
-	stop()
-	os.Exit(code)
+	os.Exit(cli.Main(full.NewRootCommand()))
 }

@@ -7,7 +7,9 @@
 //
 // Lifecycle facts this package is built around:
 //   - Deleting a socket from the SOCKHASH can discard bytes queued for it, so
-//     meshwarp never deletes entries: the kernel removes a socket when it closes.
+//     only sock_ops deletes one, and only when nothing redirected to it can be
+//     lost (bpf/accel/pairing.h, leave.h); this package never deletes
+//     entries, and the kernel removes the other sockets when they close.
 //   - A socket in the SOCKHASH keeps its own reference to the sk_msg program,
 //     which keeps the maps alive. Detaching and unpinning therefore stop only
 //     new connections; open accelerated connections keep working until they close.

@@ -24,7 +24,7 @@ type Policy struct {
 	ExcludeCIDRs []netip.Prefix `json:"exclude_cidrs,omitempty"`
 }
 
-// maxPolicyEntries matches max_entries of the policy maps in accel.bpf.c.
+// maxPolicyEntries matches max_entries of the policy maps in bpf/accel/maps.h.
 const maxPolicyEntries = 1024
 
 // Port actions, enum mw_port_action (bpf/accel/accel.h; keep in sync).

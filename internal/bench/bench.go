@@ -12,6 +12,7 @@
 package bench
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -208,39 +209,23 @@ func QuickOptions() Options {
 
 // Normalize fills defaults and validates; errors are usage errors.
 func (o *Options) Normalize() error {
-	if o.Duration == 0 {
-		o.Duration = DefaultDuration
-	}
-	if o.QperfDuration == 0 {
-		o.QperfDuration = min(max(o.Duration, time.Second), 3*time.Second).Round(time.Second)
-	}
-	if o.Repeat == 0 {
-		o.Repeat = DefaultRepeat
-	}
+	o.Duration = cmp.Or(o.Duration, DefaultDuration)
+	o.QperfDuration = cmp.Or(o.QperfDuration, min(max(o.Duration, time.Second), 3*time.Second).Round(time.Second))
+	o.Repeat = cmp.Or(o.Repeat, DefaultRepeat)
 	if len(o.Modes) == 0 {
-		o.Modes = append([]string(nil), AllModes...)
+		o.Modes = slices.Clone(AllModes)
 	}
 	if len(o.Workloads) == 0 {
-		o.Workloads = append([]string(nil), AllWorkloads...)
+		o.Workloads = slices.Clone(AllWorkloads)
 	}
 	if len(o.Sizes) == 0 {
-		o.Sizes = append([]int(nil), DefaultSizes...)
+		o.Sizes = slices.Clone(DefaultSizes)
 	}
-	if o.Connections == 0 {
-		o.Connections = DefaultConnections
-	}
-	if o.CloseConnections == 0 {
-		o.CloseConnections = DefaultCloseConnections
-	}
-	if o.PayloadBytes == 0 {
-		o.PayloadBytes = DefaultPayloadBytes
-	}
-	if o.PinDir == "" {
-		o.PinDir = DefaultPinDir
-	}
-	if o.Nodes == 0 {
-		o.Nodes = 1
-	}
+	o.Connections = cmp.Or(o.Connections, DefaultConnections)
+	o.CloseConnections = cmp.Or(o.CloseConnections, DefaultCloseConnections)
+	o.PayloadBytes = cmp.Or(o.PayloadBytes, DefaultPayloadBytes)
+	o.PinDir = cmp.Or(o.PinDir, DefaultPinDir)
+	o.Nodes = cmp.Or(o.Nodes, 1)
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}

@@ -41,9 +41,9 @@ type UnixResult struct {
 // d and returns the one-way latency and message rate.
 func UnixPingPong(ctx context.Context, size int, d time.Duration) (UnixResult, error) {
 	r := UnixResult{MsgSizeBytes: int64(size)}
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	fds, err := socketpair()
 	if err != nil {
-		return r, fmt.Errorf("socketpair: %w", err)
+		return r, err
 	}
 	var closeOnce sync.Once
 	closeAll := func() {
@@ -60,9 +60,7 @@ func UnixPingPong(ctx context.Context, size int, d time.Duration) (UnixResult, e
 	}()
 
 	echoErr := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
+	goOnThread(func() {
 		buf := make([]byte, size)
 		for {
 			if err := readFull(fds[1], buf); err != nil {
@@ -74,11 +72,9 @@ func UnixPingPong(ctx context.Context, size int, d time.Duration) (UnixResult, e
 				return
 			}
 		}
-	}()
+	})
 
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	stop, release := deadlineFlag(ctx, d)
+	stop, release := onThreadUntil(ctx, d)
 	defer release()
 	buf := make([]byte, size)
 	start := time.Now()
@@ -115,9 +111,9 @@ func UnixPingPong(ctx context.Context, size int, d time.Duration) (UnixResult, e
 // time, as qperf's tcp_bw receiver does).
 func UnixStream(ctx context.Context, size int, d time.Duration) (UnixResult, error) {
 	r := UnixResult{MsgSizeBytes: int64(size)}
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	fds, err := socketpair()
 	if err != nil {
-		return r, fmt.Errorf("socketpair: %w", err)
+		return r, err
 	}
 	defer func() {
 		unix.Close(fds[0])
@@ -130,9 +126,7 @@ func UnixStream(ctx context.Context, size int, d time.Duration) (UnixResult, err
 		err     error
 	}
 	done := make(chan readRes, 1)
-	go func() {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
+	goOnThread(func() {
 		buf := make([]byte, size)
 		var total int64
 		start := time.Now()
@@ -150,11 +144,9 @@ func UnixStream(ctx context.Context, size int, d time.Duration) (UnixResult, err
 				return
 			}
 		}
-	}()
+	})
 
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	stop, release := deadlineFlag(ctx, d)
+	stop, release := onThreadUntil(ctx, d)
 	defer release()
 	buf := make([]byte, size)
 	var werr error
@@ -183,13 +175,33 @@ func UnixStream(ctx context.Context, size int, d time.Duration) (UnixResult, err
 	return r, nil
 }
 
-// deadlineFlag returns a flag that turns true after d or when ctx ends; the
-// hot loops poll it instead of calling time.Now per message.
-func deadlineFlag(ctx context.Context, d time.Duration) (*atomic.Bool, func()) {
+func socketpair() ([2]int, error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fds, fmt.Errorf("socketpair: %w", err)
+	}
+	return fds, nil
+}
+
+// goOnThread runs one end on a goroutine locked to its own OS thread.
+func goOnThread(end func()) {
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		end()
+	}()
+}
+
+// onThreadUntil locks the calling goroutine (the other end) to its OS thread
+// and returns a flag that turns true after d or when ctx ends: the hot loops
+// poll it instead of calling time.Now per message. release stops the timers
+// and unlocks the thread.
+func onThreadUntil(ctx context.Context, d time.Duration) (*atomic.Bool, func()) {
+	runtime.LockOSThread()
 	var f atomic.Bool
 	t := time.AfterFunc(d, func() { f.Store(true) })
 	unregister := context.AfterFunc(ctx, func() { f.Store(true) })
-	return &f, func() { t.Stop(); unregister() }
+	return &f, func() { t.Stop(); unregister(); runtime.UnlockOSThread() }
 }
 
 var errPeerClosed = errors.New("peer closed")

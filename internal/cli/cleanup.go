@@ -3,7 +3,6 @@
 package cli
 
 import (
-	"encoding/json"
 	"fmt"
 
 	"github.com/spf13/cobra"
@@ -30,9 +29,7 @@ removed; running it twice is harmless.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			res, err := accel.Cleanup(pinDir)
 			if asJSON {
-				enc := json.NewEncoder(cmd.OutOrStdout())
-				enc.SetIndent("", "  ")
-				if jerr := enc.Encode(res); jerr != nil {
+				if jerr := WriteJSON(cmd.OutOrStdout(), res); jerr != nil {
 					return jerr
 				}
 				return err

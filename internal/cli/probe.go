@@ -3,7 +3,6 @@
 package cli
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"strings"
@@ -78,10 +77,7 @@ its fix), 2 bad flags.`,
 			}
 			out := cmd.OutOrStdout()
 			if asJSON {
-				enc := json.NewEncoder(out)
-				enc.SetIndent("", "  ")
-				enc.SetEscapeHTML(false)
-				if err := enc.Encode(report); err != nil {
+				if err := WriteJSON(out, report); err != nil {
 					return fmt.Errorf("write report: %w", err)
 				}
 			} else if err := writeProbeTable(out, report); err != nil {

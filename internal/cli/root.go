@@ -13,11 +13,14 @@ package cli
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
+	"os/signal"
+	"syscall"
 
 	"github.com/spf13/cobra"
 
@@ -112,6 +115,26 @@ people, lab, bench, top, trace and tap.
   meshwarp-agent cleanup   detach and unpin what a killed agent left`)
 	root.AddCommand(AgentCommands(g)...)
 	return root
+}
+
+// WriteJSON writes v to w as indented JSON, as every --json prints it
+// (HTML characters as they are: "->" stays readable).
+func WriteJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
+		return fmt.Errorf("write json: %w", err)
+	}
+	return nil
+}
+
+// Main runs root with the process's arguments until it returns or SIGINT or
+// SIGTERM cancels its context, and returns the exit code for os.Exit.
+func Main(root *cobra.Command) int {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	return Execute(ctx, root, os.Args[1:])
 }
 
 // Execute runs the command line and returns the process exit code.

@@ -3,6 +3,7 @@
 package lab
 
 import (
+	"cmp"
 	"fmt"
 	"net/netip"
 	"strconv"
@@ -198,17 +199,11 @@ func isLabNetns(name string) bool {
 	return ok
 }
 
-// validate fills defaults and checks limits.
+// withDefaults fills defaults and checks limits.
 func (o Options) withDefaults() (Options, error) {
-	if o.Pods == 0 {
-		o.Pods = DefaultPods
-	}
-	if o.SidecarUID == 0 {
-		o.SidecarUID = DefaultSidecarUID
-	}
-	if o.Nodes == 0 {
-		o.Nodes = DefaultNodes
-	}
+	o.Pods = cmp.Or(o.Pods, DefaultPods)
+	o.SidecarUID = cmp.Or(o.SidecarUID, DefaultSidecarUID)
+	o.Nodes = cmp.Or(o.Nodes, DefaultNodes)
 	if o.Pods < 2 || o.Pods > MaxPods {
 		return o, fmt.Errorf("--pods %d: want 2..%d (pod-0 is the client, pod-1 the server)", o.Pods, MaxPods)
 	}

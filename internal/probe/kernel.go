@@ -42,7 +42,7 @@ const (
 	kernelTCX        = "6.6"
 	kernelRecvTP     = "6.3"
 	kernelMsgTotLen  = "6.6.128, 6.12.75 or 6.18.14"
-	backlogWalkLimit = 64 // MW_BACKLOG_WALK in bpf/accel/accel.bpf.c; keep in sync
+	backlogWalkLimit = 64 // MW_BACKLOG_WALK in bpf/accel/sock.h; keep in sync
 )
 
 // HaveSockmapLink reports whether an sk_msg program can be attached to a

@@ -4,7 +4,6 @@ package full
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -157,7 +156,7 @@ Exit status: 0 the lab is up and healthy, 1 it is down or something is wrong
 			if err != nil {
 				left := lab.Leftovers()
 				if asJSON {
-					if err := labWriteJSON(out, struct {
+					if err := cli.WriteJSON(out, struct {
 						Up        bool     `json:"up"`
 						Healthy   bool     `json:"healthy"`
 						Error     string   `json:"error"`
@@ -182,7 +181,7 @@ Exit status: 0 the lab is up and healthy, 1 it is down or something is wrong
 				return fmt.Errorf("lab status: %w", err)
 			}
 			if asJSON {
-				err = labWriteJSON(out, st)
+				err = cli.WriteJSON(out, st)
 			} else {
 				err = writeLabStatus(out, st)
 			}
@@ -226,16 +225,6 @@ idle. New connections follow at once; open connections keep their path.`,
 			return nil
 		},
 	}
-}
-
-func labWriteJSON(w io.Writer, v any) error {
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	enc.SetEscapeHTML(false)
-	if err := enc.Encode(v); err != nil {
-		return fmt.Errorf("write json: %w", err)
-	}
-	return nil
 }
 
 func writeLabStatus(w io.Writer, st lab.Status) error {

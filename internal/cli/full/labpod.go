@@ -13,6 +13,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/cli"
 	"github.com/meshwarp/meshwarp/internal/lab"
 )
 
@@ -85,7 +86,7 @@ func newLabPodCommand() *cobra.Command {
 				return errors.New("--server is required")
 			}
 			res := lab.RunClient(cmd.Context(), o)
-			return labWriteJSON(cmd.OutOrStdout(), res)
+			return cli.WriteJSON(cmd.OutOrStdout(), res)
 		},
 	}
 	f := client.Flags()

@@ -3,7 +3,6 @@
 package full
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -107,9 +106,7 @@ p50_seconds, p99_seconds, bytes_per_second, accelerated_share, hop).`,
 				if rows == nil {
 					rows = []observe.Row{}
 				}
-				enc := json.NewEncoder(cmd.OutOrStdout())
-				enc.SetIndent("", "  ")
-				return enc.Encode(topSnapshot{IntervalSeconds: elapsed, Flows: rows})
+				return cli.WriteJSON(cmd.OutOrStdout(), topSnapshot{IntervalSeconds: elapsed, Flows: rows})
 			}
 			printRows(cmd.OutOrStdout(), rows)
 			return nil

@@ -3,7 +3,6 @@
 package full
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"slices"
@@ -90,9 +89,7 @@ dialled, so --port filters every other point and keeps those.`,
 				return fmt.Errorf("%w in %v%s", err, duration, portHint(flows, port))
 			}
 			if asJSON {
-				enc := json.NewEncoder(cmd.OutOrStdout())
-				enc.SetIndent("", "  ")
-				return enc.Encode(b)
+				return cli.WriteJSON(cmd.OutOrStdout(), b)
 			}
 			printBreakdown(cmd.OutOrStdout(), b)
 			return nil
