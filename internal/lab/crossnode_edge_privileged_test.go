@@ -112,7 +112,7 @@ func TestPrivilegedCrossNodeKernelCases(t *testing.T) {
 		}
 	}
 
-	inAgentModes(t, []bool{false, true}, func(t *testing.T, withAgent bool) {
+	testutil.WithAndWithout(t, func(t *testing.T, withAgent bool) {
 		var pinDirs []string
 		if withAgent {
 			pinDirs = nodePinDirs(t, l)

@@ -25,6 +25,7 @@ import (
 	"github.com/meshwarp/meshwarp/internal/metrics"
 	"github.com/meshwarp/meshwarp/internal/netns"
 	"github.com/meshwarp/meshwarp/internal/testutil"
+	"github.com/meshwarp/meshwarp/internal/testutil/agenttest"
 )
 
 // Cross-node forwarding on the two-node lab: the client pod on node 0, the
@@ -86,37 +87,19 @@ func nodePinDirs(t *testing.T, l *Lab) []string {
 	return dirs
 }
 
-// inAgentModes runs fn as subtests "without-agent" and "with-agent", in
-// the order given: the same assertions with and without the agents.
-func inAgentModes(t *testing.T, order []bool, fn func(t *testing.T, withAgent bool)) {
-	t.Helper()
-	for _, withAgent := range order {
-		mode := "without-agent"
-		if withAgent {
-			mode = "with-agent"
-		}
-		t.Run(mode, func(t *testing.T) { fn(t, withAgent) })
-	}
-}
-
 // startNodeAgents starts one agent per node (its cgroup, its namespace),
 // checking the nodes every interval, and uninstalls them on cleanup.
 func startNodeAgents(t *testing.T, l *Lab, pinDirs []string, interval time.Duration) {
 	t.Helper()
 	for i, n := range l.Nodes() {
-		a, err := accel.Start(accel.Config{CgroupPath: l.NodeCgroup(i), PinDir: pinDirs[i], CrossNode: true,
-			CrossNodes: []crossnode.Node{{Netns: netnsPath(n.Netns)}}, CrossNodeInterval: interval}, nil)
-		if err != nil {
-			t.Fatalf("start the agent of %s: %v", n.Netns, err)
-		}
+		// Registered first, so it runs after the agent's uninstall.
 		t.Cleanup(func() {
-			if _, err := a.Uninstall(); err != nil {
-				t.Errorf("uninstall: %v", err)
-			}
 			if _, err := crossnode.ReadPinnedStats(pinDirs[i]); !errors.Is(err, crossnode.ErrNotInstalled) {
 				t.Errorf("after uninstall the cross-node pins remain: %v", err)
 			}
 		})
+		agenttest.Start(t, accel.Config{CgroupPath: l.NodeCgroup(i), PinDir: pinDirs[i], CrossNode: true,
+			CrossNodes: []crossnode.Node{{Netns: netnsPath(n.Netns)}}, CrossNodeInterval: interval})
 	}
 }
 
@@ -220,7 +203,7 @@ func TestPrivilegedCrossNode(t *testing.T) {
 		testutil.Run(t, "ip", append([]string{"netns", "exec", serverNode.Netns}, args...)...)
 	}
 
-	inAgentModes(t, []bool{false, true}, func(t *testing.T, withAgent bool) {
+	testutil.WithAndWithout(t, func(t *testing.T, withAgent bool) {
 		var pinDirs []string
 		serverPins := ""
 		if withAgent {
@@ -574,7 +557,7 @@ func TestPrivilegedCrossNodeNetfilterAtOnce(t *testing.T) {
 					append([]string{"-t", "nat", "-D"}, dnat...), natPort, false},
 				change{"a DNAT in a chain the node has", append([]string{"-t", "nat", "-A"}, dnat...),
 					append([]string{"-t", "nat", "-D"}, dnat...), natPort, false})
-			inAgentModes(t, []bool{true, false}, func(t *testing.T, withAgent bool) {
+			testutil.WithThenWithout(t, func(t *testing.T, withAgent bool) {
 				for _, c := range cases {
 					t.Run(c.name, func(t *testing.T) {
 						nodeRules := func(args []string) {
