@@ -103,6 +103,28 @@ func startNodeAgents(t *testing.T, l *Lab, pinDirs []string, interval time.Durat
 	}
 }
 
+// crossNodeEcho brings up two pods on two nodes with an echo app on
+// crossNodePort in the server's node (its listener passed through wrap when
+// wrap is not nil) and moves this process into the client node's cgroup:
+// the setup of the cross-node tests.
+func crossNodeEcho(t *testing.T, wrap func(net.Listener) net.Listener) (l *Lab, clientNs *testutil.Netns, echo *testutil.EchoServer) {
+	t.Helper()
+	l = upForTest(t, Options{Pods: 2, Nodes: 2, Capture: true})
+	client, server := l.Client(), l.Server()
+	if client.Node == server.Node {
+		t.Fatal("client and server on one node")
+	}
+	clientNs = testutil.OpenNetns(t, client.Netns)
+	ln := listenInNode(t, l, server)
+	testutil.JoinCgroup(t, l.NodeCgroup(client.Node))
+	if wrap != nil {
+		ln = wrap(ln)
+	}
+	echo = testutil.ServeEcho(ln)
+	t.Cleanup(echo.Close)
+	return l, clientNs, echo
+}
+
 // listenInNode opens the server's listener with the server node's cgroup
 // (accepted sockets keep it), as a process of that node would.
 func listenInNode(t *testing.T, l *Lab, pod Pod) net.Listener {
@@ -176,19 +198,11 @@ func echoOnce(ns *testutil.Netns, network, addr string, msg []byte, timeout time
 
 func TestPrivilegedCrossNode(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	l := upForTest(t, Options{Pods: 2, Nodes: 2, Capture: true})
+	rec := &sourceRecorder{sources: map[netip.Addr]int{}}
+	l, clientNs, echo := crossNodeEcho(t, func(ln net.Listener) net.Listener { rec.Listener = ln; return rec })
 	client, server := l.Client(), l.Server()
-	if client.Node == server.Node {
-		t.Fatal("client and server on one node")
-	}
-	clientNs := testutil.OpenNetns(t, client.Netns)
 	serverNode := l.Nodes()[server.Node]
 	serverCookie := nodeCookie(t, serverNode.Netns)
-	ln := listenInNode(t, l, server)
-	testutil.JoinCgroup(t, l.NodeCgroup(client.Node))
-	rec := &sourceRecorder{Listener: ln, sources: map[netip.Addr]int{}}
-	echo := testutil.ServeEcho(rec)
-	defer echo.Close()
 
 	v4 := netip.AddrPortFrom(server.IP, crossNodePort).String()
 	v6 := netip.AddrPortFrom(server.IP6, crossNodePort).String()
@@ -375,38 +389,15 @@ func TestPrivilegedCrossNode(t *testing.T) {
 // programs) and stopped (uninstalling).
 func TestPrivilegedCrossNodeLifecycle(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	l := upForTest(t, Options{Pods: 2, Nodes: 2, Capture: true})
-	client, server := l.Client(), l.Server()
-	clientNs := testutil.OpenNetns(t, client.Netns)
-	ln := listenInNode(t, l, server)
-	testutil.JoinCgroup(t, l.NodeCgroup(client.Node))
-	echo := testutil.ServeEcho(ln)
-	defer echo.Close()
+	l, clientNs, echo := crossNodeEcho(t, nil)
+	server := l.Server()
 
-	bin := testutil.MeshwarpBinary(t)
 	pinDirs := nodePinDirs(t, l)
-	type agentProc struct {
-		cmd *exec.Cmd
-		out *testutil.SyncBuffer
-	}
 	// run starts one `meshwarp run --cross-node` per node.
-	run := func() []agentProc {
-		var procs []agentProc
+	run := func() []*testutil.AgentProc {
+		var procs []*testutil.AgentProc
 		for i, n := range l.Nodes() {
-			out := &testutil.SyncBuffer{}
-			cmd := exec.Command(bin, "run", "--cgroup", l.NodeCgroup(i), "--pin-dir", pinDirs[i], "--metrics-addr", "",
-				"--cross-node", "--node-netns", netnsPath(n.Netns))
-			cmd.Stdout, cmd.Stderr = out, out
-			if err := cmd.Start(); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				if cmd.ProcessState == nil {
-					cmd.Process.Kill()
-					cmd.Wait()
-				}
-			})
-			procs = append(procs, agentProc{cmd, out})
+			procs = append(procs, testutil.StartAgentProc(t, l.NodeCgroup(i), pinDirs[i], "--cross-node", "--node-netns", netnsPath(n.Netns)))
 		}
 		return procs
 	}
@@ -465,8 +456,7 @@ func TestPrivilegedCrossNodeLifecycle(t *testing.T) {
 	// kill: the pinned programs stay; without an agent's check they stop
 	// redirecting (everything takes the normal path) within VerifiedFor.
 	for _, a := range agents {
-		a.cmd.Process.Signal(syscall.SIGKILL)
-		a.cmd.Wait()
+		a.Stop(t, syscall.SIGKILL)
 	}
 	for i, n := range l.Nodes() {
 		waitNodeState(t, pinDirs[i], nodeCookie(t, n.Netns), "unverified after the agent was killed", func(s crossnode.NodeState) bool { return !s.Verified })
@@ -481,9 +471,8 @@ func TestPrivilegedCrossNodeLifecycle(t *testing.T) {
 
 	// SIGTERM: uninstall under load.
 	for _, a := range agents {
-		a.cmd.Process.Signal(syscall.SIGTERM)
-		if err := a.cmd.Wait(); err != nil {
-			t.Errorf("agent exit: %v\n%s", err, a.out.String())
+		if code := a.Stop(t, syscall.SIGTERM); code != 0 {
+			t.Errorf("agent exit %d\n%s", code, a.Stderr())
 		}
 	}
 	for _, dir := range pinDirs {
@@ -518,14 +507,9 @@ func TestPrivilegedCrossNodeLifecycle(t *testing.T) {
 // assertions hold without the agents (run second: the tables stay).
 func TestPrivilegedCrossNodeNetfilterAtOnce(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	l := upForTest(t, Options{Pods: 2, Nodes: 2, Capture: true})
-	client, server := l.Client(), l.Server()
-	clientNs := testutil.OpenNetns(t, client.Netns)
+	l, clientNs, _ := crossNodeEcho(t, nil)
+	server := l.Server()
 	serverNode := l.Nodes()[server.Node]
-	ln := listenInNode(t, l, server)
-	testutil.JoinCgroup(t, l.NodeCgroup(client.Node))
-	echo := testutil.ServeEcho(ln)
-	defer echo.Close()
 
 	const natPort = 9077 // reaches the app only through the node's DNAT
 	type change struct {
