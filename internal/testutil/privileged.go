@@ -109,6 +109,19 @@ func joinCgroup(dir string) error {
 	return os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(fmt.Sprint(os.Getpid())), 0o644)
 }
 
+// OwnCgroupDir returns the cgroup v2 directory this process is in.
+func OwnCgroupDir() (string, error) {
+	root, err := probe.Cgroup2Root()
+	if err != nil {
+		return "", err
+	}
+	rel, err := ownCgroup()
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(root, rel), nil
+}
+
 // ownCgroup returns this process's cgroup v2 path relative to the v2 root.
 func ownCgroup() (string, error) {
 	b, err := os.ReadFile("/proc/self/cgroup")
