@@ -96,89 +96,86 @@ func waitFD(t *testing.T, fd int, events int16) {
 
 func TestPrivilegedAdmissionOutsideClientDuringConnect(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	for _, withAgent := range []bool{false, true} {
-		name := map[bool]string{false: "without-agent", true: "with-agent"}[withAgent]
-		t.Run(name, func(t *testing.T) {
-			// Outside the cgroup (created before it is entered): a server
-			// whose accept queue is full, so a SYN to it is dropped and
-			// retransmitted after 1 s; a client socket.
-			srv, srvAddr := rawListen(t, 0)
-			filler := rawSocket(t)
-			if err := unix.Connect(filler, srvAddr); err != nil {
-				t.Fatal(err)
-			}
-			outsideClient := rawSocket(t)
-			var a *Agent
-			var before Stats
-			if withAgent {
-				a = startAgent(t, Config{})
-				before = stats(t, a)
-			}
-			ln := mustListen(t, "127.0.0.1:0") // in the cgroup
-			defer ln.Close()
-			lnAddr := ln.Addr().(*net.TCPAddr)
+	testutil.WithAndWithout(t, func(t *testing.T, withAgent bool) {
+		// Outside the cgroup (created before it is entered): a server
+		// whose accept queue is full, so a SYN to it is dropped and
+		// retransmitted after 1 s; a client socket.
+		srv, srvAddr := rawListen(t, 0)
+		filler := rawSocket(t)
+		if err := unix.Connect(filler, srvAddr); err != nil {
+			t.Fatal(err)
+		}
+		outsideClient := rawSocket(t)
+		var a *Agent
+		var before Stats
+		if withAgent {
+			a = startAgent(t, Config{})
+			before = stats(t, a)
+		}
+		ln := mustListen(t, "127.0.0.1:0") // in the cgroup
+		defer ln.Close()
+		lnAddr := ln.Addr().(*net.TCPAddr)
 
-			// A socket of the cgroup connects to the outside server: its SYN waits.
-			inside := rawSocket(t)
-			unix.SetNonblock(inside, true)
-			if err := unix.Connect(inside, srvAddr); !errors.Is(err, unix.EINPROGRESS) {
-				t.Fatalf("connect: %v", err)
-			}
-			// Shortly before the retransmission, the outside client connects
-			// to the cgroup's listener from the same address.
-			time.Sleep(300 * time.Millisecond) // places the SYN inside the in-flight connect's window; not synchronisation
-			if err := unix.Connect(outsideClient, &unix.SockaddrInet4{Port: lnAddr.Port, Addr: [4]byte{127, 0, 0, 1}}); err != nil {
-				t.Fatal(err)
-			}
-			accepted, err := ln.Accept()
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer accepted.Close()
-			// Make room at the outside server: the retransmitted SYN is answered.
-			f, _, err := unix.Accept(srv)
-			if err != nil {
-				t.Fatal(err)
-			}
-			unix.Close(f)
-			waitFD(t, inside, unix.POLLOUT)
-			if v, err := unix.GetsockoptInt(inside, unix.SOL_SOCKET, unix.SO_ERROR); err != nil || v != 0 {
-				t.Fatalf("connect to the outside server: %v %v", v, err)
-			}
-			unix.SetNonblock(inside, false)
-			waitFD(t, srv, unix.POLLIN)
-			outsideServer, _, err := unix.Accept(srv)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer unix.Close(outsideServer)
+		// A socket of the cgroup connects to the outside server: its SYN waits.
+		inside := rawSocket(t)
+		unix.SetNonblock(inside, true)
+		if err := unix.Connect(inside, srvAddr); !errors.Is(err, unix.EINPROGRESS) {
+			t.Fatalf("connect: %v", err)
+		}
+		// Shortly before the retransmission, the outside client connects
+		// to the cgroup's listener from the same address.
+		time.Sleep(300 * time.Millisecond) // places the SYN inside the in-flight connect's window; not synchronisation
+		if err := unix.Connect(outsideClient, &unix.SockaddrInet4{Port: lnAddr.Port, Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+			t.Fatal(err)
+		}
+		accepted, err := ln.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer accepted.Close()
+		// Make room at the outside server: the retransmitted SYN is answered.
+		f, _, err := unix.Accept(srv)
+		if err != nil {
+			t.Fatal(err)
+		}
+		unix.Close(f)
+		waitFD(t, inside, unix.POLLOUT)
+		if v, err := unix.GetsockoptInt(inside, unix.SOL_SOCKET, unix.SO_ERROR); err != nil || v != 0 {
+			t.Fatalf("connect to the outside server: %v %v", v, err)
+		}
+		unix.SetNonblock(inside, false)
+		waitFD(t, srv, unix.POLLIN)
+		outsideServer, _, err := unix.Accept(srv)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Close(outsideServer)
 
-			// The outside server speaks first, then each side answers; the
-			// outside client and the cgroup's accepted socket likewise.
-			var accFD int
-			onFD(t, accepted, func(fd int) { accFD = fd; unix.SetNonblock(fd, false) })
-			for _, step := range []struct {
-				name string
-				w, r int
-			}{
-				{"outside server -> cgroup client", outsideServer, inside},
-				{"cgroup client -> outside server", inside, outsideServer},
-				{"outside client -> cgroup server", outsideClient, accFD},
-				{"cgroup server -> outside client", accFD, outsideClient},
-			} {
-				if err := fdExchange(step.w, step.r, 200); err != nil {
-					t.Fatalf("%s: %v", step.name, err)
-				}
+		// The outside server speaks first, then each side answers; the
+		// outside client and the cgroup's accepted socket likewise.
+		var accFD int
+		onFD(t, accepted, func(fd int) { accFD = fd; unix.SetNonblock(fd, false) })
+		for _, step := range []struct {
+			name string
+			w, r int
+		}{
+			{"outside server -> cgroup client", outsideServer, inside},
+			{"cgroup client -> outside server", inside, outsideServer},
+			{"outside client -> cgroup server", outsideClient, accFD},
+			{"cgroup server -> outside client", accFD, outsideClient},
+		} {
+			if err := fdExchange(step.w, step.r, 200); err != nil {
+				t.Fatalf("%s: %v", step.name, err)
 			}
-			onFD(t, accepted, func(fd int) { unix.SetNonblock(fd, true) })
-			if a == nil {
-				return
-			}
-			d := stats(t, a).Sub(before)
-			if d.RedirectedMessages != 0 {
-				t.Fatalf("%d messages redirected between sockets without a local peer", d.RedirectedMessages)
-			}
-			t.Logf("left to TCP: %v; removed: %v", nonZero(d.PassthroughConnections), nonZero(d.RemovedSockets))
-		})
-	}
+		}
+		onFD(t, accepted, func(fd int) { unix.SetNonblock(fd, true) })
+		if a == nil {
+			return
+		}
+		d := stats(t, a).Sub(before)
+		if d.RedirectedMessages != 0 {
+			t.Fatalf("%d messages redirected between sockets without a local peer", d.RedirectedMessages)
+		}
+		t.Logf("left to TCP: %v; removed: %v", nonZero(d.PassthroughConnections), nonZero(d.RemovedSockets))
+	})
 }

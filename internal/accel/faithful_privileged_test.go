@@ -43,6 +43,15 @@ func pairedConn(t *testing.T, a *Agent, ln net.Listener, dial func() (net.Conn, 
 	return client, server
 }
 
+// loopbackPair is pairedConn on a fresh loopback listener of the test's
+// cgroup, closed on cleanup.
+func loopbackPair(t *testing.T, a *Agent) (client, server net.Conn) {
+	t.Helper()
+	ln := mustListen(t, "127.0.0.1:0")
+	t.Cleanup(func() { ln.Close() })
+	return pairedConn(t, a, ln, dialer(ln.Addr().String()))
+}
+
 func forEachAgent(t *testing.T, fn func(t *testing.T, a *Agent)) {
 	forEachAgentMode(t, func(*testing.T) net.Listener { return nil }, func(t *testing.T, a *Agent, _ net.Listener) { fn(t, a) })
 }
@@ -56,9 +65,7 @@ func TestPrivilegedFaithfulSlowReader(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	const bound = 16 << 20 // plain TCP blocks after ~3 MB here
 	forEachAgent(t, func(t *testing.T, a *Agent) {
-		ln := mustListen(t, "127.0.0.1:0")
-		defer ln.Close()
-		client, server := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+		client, server := loopbackPair(t, a)
 		rc, err := client.(syscall.Conn).SyscallConn()
 		if err != nil {
 			t.Fatal(err)
@@ -127,9 +134,7 @@ func TestPrivilegedFaithfulSlowReader(t *testing.T) {
 func TestPrivilegedFaithfulSendAfterShutdown(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	forEachAgent(t, func(t *testing.T, a *Agent) {
-		ln := mustListen(t, "127.0.0.1:0")
-		defer ln.Close()
-		client, server := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+		client, server := loopbackPair(t, a)
 		if _, err := client.Write([]byte("abc")); err != nil {
 			t.Fatal(err)
 		}

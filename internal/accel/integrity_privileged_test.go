@@ -10,26 +10,11 @@ import (
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
-// startAgent attaches a throwaway agent to a throwaway cgroup that this test
-// process has joined; both are removed on cleanup.
+// startAgent is testutil.StartAgent for cfg: by default a throwaway agent
+// on a throwaway cgroup that this test process has joined, uninstalled on cleanup.
 func startAgent(t *testing.T, cfg Config) *Agent {
 	t.Helper()
-	if cfg.CgroupPath == "" {
-		cfg.CgroupPath = testutil.EnterCgroup(t)
-	}
-	if cfg.PinDir == "" {
-		cfg.PinDir = testutil.PinDir(t)
-	}
-	a, err := Start(cfg, nil)
-	if err != nil {
-		t.Fatalf("start agent: %v", err)
-	}
-	t.Cleanup(func() {
-		if _, err := a.Uninstall(); err != nil {
-			t.Errorf("uninstall: %v", err)
-		}
-	})
-	return a
+	return testutil.StartAgent(t, &cfg.CgroupPath, &cfg.PinDir, func() (*Agent, error) { return Start(cfg, nil) })
 }
 
 func stats(t *testing.T, a *Agent) Stats {
@@ -54,16 +39,8 @@ func TestPrivilegedIntegrityLoopback(t *testing.T) {
 		{"v4-mapped", "tcp:[::]:0", "127.0.0.1"}, // dual-stack listener, IPv4 client
 	}
 	for _, tc := range cases {
-		for _, withAgent := range []bool{false, true} {
-			name := tc.name + "/without-agent"
-			if withAgent {
-				name = tc.name + "/with-agent"
-			}
-			t.Run(name, func(t *testing.T) {
-				var a *Agent
-				if withAgent {
-					a = startAgent(t, Config{})
-				}
+		t.Run(tc.name, func(t *testing.T) {
+			forEachAgent(t, func(t *testing.T, a *Agent) {
 				network, addr, _ := cutNet(tc.listen)
 				ln, err := net.Listen(network, addr)
 				if err != nil {
@@ -85,7 +62,7 @@ func TestPrivilegedIntegrityLoopback(t *testing.T) {
 				requireShare(t, s, integrityOpts.Conns, 0.95)
 				waitNoAcceleratedSockets(t, a)
 			})
-		}
+		})
 	}
 }
 

@@ -87,7 +87,7 @@ func TestPrivilegedChartLifecycleUnderLoad(t *testing.T) {
 	target := srv.Addr().String()
 	dial := func() (net.Conn, error) { return net.Dial("tcp", target) }
 
-	old := startAgentProc(t, cgroup, pinDir, chartFlags...)
+	old := testutil.StartAgentProc(t, cgroup, pinDir, chartFlags...)
 	stop := make(chan struct{})
 	started := make(chan struct{}, 100)
 	streams := make(chan testutil.IntegrityResult, 1)
@@ -109,19 +109,19 @@ func TestPrivilegedChartLifecycleUnderLoad(t *testing.T) {
 	}
 
 	// Rolling update: SIGTERM while the DaemonSet exists.
-	if code := old.stop(t, syscall.SIGTERM); code != 0 {
+	if code := old.Stop(t, syscall.SIGTERM); code != 0 {
 		close(stop)
-		t.Fatalf("old pod exit %d:\n%s", code, old.stderr.String())
+		t.Fatalf("old pod exit %d:\n%s", code, old.Stderr())
 	}
 	if !pinned(pinDir) || api.gets.Load() != 1 {
 		close(stop)
-		t.Fatalf("rolling update: pinned=%v after %d API reads; the data path must stay for the new pod:\n%s", pinned(pinDir), api.gets.Load(), old.stderr.String())
+		t.Fatalf("rolling update: pinned=%v after %d API reads; the data path must stay for the new pod:\n%s", pinned(pinDir), api.gets.Load(), old.Stderr())
 	}
 	checkNewConnections(t, dial, "between the old and the new pod")
-	next := startAgentProc(t, cgroup, pinDir, chartFlags...)
-	if !strings.Contains(next.stderr.String(), "adopted=true") {
+	next := testutil.StartAgentProc(t, cgroup, pinDir, chartFlags...)
+	if !strings.Contains(next.Stderr(), "adopted=true") {
 		close(stop)
-		t.Fatalf("the new pod did not adopt the pinned data path:\n%s", next.stderr.String())
+		t.Fatalf("the new pod did not adopt the pinned data path:\n%s", next.Stderr())
 	}
 
 	// The ConfigMap changes: new connections to the echo port stay on TCP.
@@ -137,20 +137,20 @@ func TestPrivilegedChartLifecycleUnderLoad(t *testing.T) {
 		}
 		if time.Now().After(deadline) {
 			close(stop)
-			t.Fatalf("the changed policy file was not applied within 30s:\n%s", next.stderr.String())
+			t.Fatalf("the changed policy file was not applied within 30s:\n%s", next.Stderr())
 		}
 		time.Sleep(100 * time.Millisecond) // polling interval
 	}
 
 	// helm uninstall: the DaemonSet is deleted, then the pod stops.
 	api.exists.Store(false)
-	if code := next.stop(t, syscall.SIGTERM); code != 0 {
+	if code := next.Stop(t, syscall.SIGTERM); code != 0 {
 		close(stop)
-		t.Fatalf("new pod exit %d:\n%s", code, next.stderr.String())
+		t.Fatalf("new pod exit %d:\n%s", code, next.Stderr())
 	}
 	if pinned(pinDir) {
 		close(stop)
-		t.Fatalf("after helm uninstall the data path is still pinned:\n%s", next.stderr.String())
+		t.Fatalf("after helm uninstall the data path is still pinned:\n%s", next.Stderr())
 	}
 	close(stop)
 	if err := (<-streams).Err(); err != nil {

@@ -3,7 +3,6 @@
 package accel
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/json"
 	"io"
@@ -14,110 +13,12 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
-
-var (
-	buildOnce sync.Once
-	binPath   string
-	buildErr  error
-)
-
-// meshwarpBinary builds cmd/meshwarp once per test run, or returns
-// $MESHWARP_TEST_BIN (testutil.BinEnv) when set.
-func meshwarpBinary(t *testing.T) string {
-	t.Helper()
-	if bin := os.Getenv(testutil.BinEnv); bin != "" {
-		return bin
-	}
-	buildOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "meshwarp-test-bin-")
-		if err != nil {
-			buildErr = err
-			return
-		}
-		binPath = filepath.Join(dir, "meshwarp")
-		out, err := exec.Command("go", "build", "-o", binPath, "../../cmd/meshwarp").CombinedOutput()
-		if err != nil {
-			buildErr = err
-			binPath = string(out)
-		}
-	})
-	if buildErr != nil {
-		t.Fatalf("build meshwarp: %v\n%s", buildErr, binPath)
-	}
-	return binPath
-}
-
-// agentProc is `meshwarp run` as a separate process.
-type agentProc struct {
-	cmd    *exec.Cmd
-	stderr *testutil.SyncBuffer
-	exited chan struct{} // closed once the process has been waited for
-}
-
-// startAgentProc runs meshwarp run and waits until it says it is attached
-// (or exits).
-func startAgentProc(t *testing.T, cgroup, pinDir string, extra ...string) *agentProc {
-	t.Helper()
-	args := append([]string{"run", "--cgroup", cgroup, "--pin-dir", pinDir, "--metrics-addr", ""}, extra...)
-	cmd := exec.Command(meshwarpBinary(t), args...)
-	p := &agentProc{cmd: cmd, stderr: &testutil.SyncBuffer{}, exited: make(chan struct{})}
-	pr, pw := io.Pipe()
-	cmd.Stderr = io.MultiWriter(p.stderr, pw)
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		cmd.Wait()
-		pw.Close()
-		close(p.exited)
-	}()
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		<-p.exited
-	})
-	ready := make(chan bool, 1)
-	go func() {
-		sc := bufio.NewScanner(pr)
-		for sc.Scan() {
-			if strings.Contains(sc.Text(), "meshwarp: accelerating TCP") {
-				ready <- true
-				io.Copy(io.Discard, pr)
-				return
-			}
-		}
-		ready <- false
-	}()
-	select {
-	case ok := <-ready:
-		if !ok {
-			t.Fatalf("meshwarp run did not start:\n%s", p.stderr.String())
-		}
-	case <-time.After(60 * time.Second):
-		t.Fatalf("meshwarp run not ready after 60s:\n%s", p.stderr.String())
-	}
-	return p
-}
-
-// stop signals the agent and waits for it; it returns the exit code
-// (minus the signal number when a signal killed it).
-func (p *agentProc) stop(t *testing.T, sig syscall.Signal) int {
-	t.Helper()
-	if err := p.cmd.Process.Signal(sig); err != nil {
-		t.Fatal(err)
-	}
-	<-p.exited
-	if ws, ok := p.cmd.ProcessState.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
-		return -int(ws.Signal())
-	}
-	return p.cmd.ProcessState.ExitCode()
-}
 
 func pinned(pinDir string) bool {
 	_, err := os.Stat(filepath.Join(pinDir, SockopsLinkPin))
@@ -141,7 +42,7 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	// streams, which the agent would move to TCP (small_stream). They must
 	// stay accelerated through every step here.
 	const keep = "--keep-small-streams"
-	agent1 := startAgentProc(t, cgroup, pinDir, keep)
+	agent1 := testutil.StartAgentProc(t, cgroup, pinDir, keep)
 
 	stop := make(chan struct{})
 	started := make(chan struct{}, 100)
@@ -163,7 +64,7 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	}
 
 	// 1. SIGKILL: the data path stays attached and pinned.
-	if code := agent1.stop(t, syscall.SIGKILL); code != -int(syscall.SIGKILL) {
+	if code := agent1.Stop(t, syscall.SIGKILL); code != -int(syscall.SIGKILL) {
 		t.Fatalf("agent exit %d", code)
 	}
 	if !pinned(pinDir) {
@@ -172,9 +73,9 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	checkNewConnections(t, dial, "after SIGKILL")
 
 	// 2. Restart: the new agent adopts the pinned maps and links.
-	agent2 := startAgentProc(t, cgroup, pinDir, "--keep-on-exit", keep)
-	if !strings.Contains(agent2.stderr.String(), "adopted=true") {
-		t.Fatalf("restarted agent did not adopt the pinned state:\n%s", agent2.stderr.String())
+	agent2 := testutil.StartAgentProc(t, cgroup, pinDir, "--keep-on-exit", keep)
+	if !strings.Contains(agent2.Stderr(), "adopted=true") {
+		t.Fatalf("restarted agent did not adopt the pinned state:\n%s", agent2.Stderr())
 	}
 	after, err := ReadPinnedStats(pinDir)
 	if err != nil {
@@ -185,13 +86,13 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	}
 
 	// 3. Upgrade-style restart: SIGTERM with --keep-on-exit, then a new agent replaces the programs.
-	if code := agent2.stop(t, syscall.SIGTERM); code != 0 {
-		t.Fatalf("agent with --keep-on-exit exited %d:\n%s", code, agent2.stderr.String())
+	if code := agent2.Stop(t, syscall.SIGTERM); code != 0 {
+		t.Fatalf("agent with --keep-on-exit exited %d:\n%s", code, agent2.Stderr())
 	}
 	if !pinned(pinDir) {
 		t.Fatal("--keep-on-exit removed the pins")
 	}
-	agent3 := startAgentProc(t, cgroup, pinDir, "--metrics-addr", "127.0.0.1:0", keep)
+	agent3 := testutil.StartAgentProc(t, cgroup, pinDir, "--metrics-addr", "127.0.0.1:0", keep)
 	checkNewConnections(t, dial, "after upgrade")
 	checkMetrics(t, agent3)
 
@@ -200,30 +101,30 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 		t.Logf("before uninstall: accelerated sockets %d, left %d, passthrough connections %v",
 			s.AcceleratedSockets, s.LeftSockets, s.PassthroughConnections)
 	}
-	if code := agent3.stop(t, syscall.SIGTERM); code != 0 {
-		t.Fatalf("agent exited %d on SIGTERM:\n%s", code, agent3.stderr.String())
+	if code := agent3.Stop(t, syscall.SIGTERM); code != 0 {
+		t.Fatalf("agent exited %d on SIGTERM:\n%s", code, agent3.Stderr())
 	}
 	if _, err := os.Stat(pinDir); !os.IsNotExist(err) {
 		t.Fatalf("SIGTERM left %s behind", pinDir)
 	}
 	// status still sees the streams that stay accelerated after the uninstall.
-	out, _ := exec.Command(meshwarpBinary(t), "status", "--pin-dir", pinDir).CombinedOutput()
+	out, _ := exec.Command(testutil.MeshwarpBinary(t), "status", "--pin-dir", pinDir).CombinedOutput()
 	if !strings.Contains(string(out), "accelerated by an earlier agent are still open") {
 		t.Fatalf("status after uninstall does not report the open accelerated streams:\n%s", out)
 	}
 	checkNewConnections(t, dial, "after uninstall")
 
 	// 5. `meshwarp cleanup` of an agent that was killed, still under load.
-	agent4 := startAgentProc(t, cgroup, pinDir, keep)
-	agent4.stop(t, syscall.SIGKILL)
-	out, err = exec.Command(meshwarpBinary(t), "cleanup", "--pin-dir", pinDir).CombinedOutput()
+	agent4 := testutil.StartAgentProc(t, cgroup, pinDir, keep)
+	agent4.Stop(t, syscall.SIGKILL)
+	out, err = exec.Command(testutil.MeshwarpBinary(t), "cleanup", "--pin-dir", pinDir).CombinedOutput()
 	if err != nil {
 		t.Fatalf("meshwarp cleanup: %v\n%s", err, out)
 	}
 	if _, err := os.Stat(pinDir); !os.IsNotExist(err) {
 		t.Fatalf("cleanup left %s behind:\n%s", pinDir, out)
 	}
-	out, err = exec.Command(meshwarpBinary(t), "cleanup", "--pin-dir", pinDir).CombinedOutput()
+	out, err = exec.Command(testutil.MeshwarpBinary(t), "cleanup", "--pin-dir", pinDir).CombinedOutput()
 	if err != nil || !strings.Contains(string(out), "nothing to clean") {
 		t.Fatalf("a second cleanup should be harmless: %v\n%s", err, out)
 	}
@@ -241,7 +142,7 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	// Once the streams are closed, status no longer counts them: the count
 	// comes from the detached SOCKHASH, which the kernel empties on close.
 	for deadline := time.Now().Add(10 * time.Second); ; {
-		out, _ := exec.Command(meshwarpBinary(t), "status", "--json", "--pin-dir", pinDir).Output()
+		out, _ := exec.Command(testutil.MeshwarpBinary(t), "status", "--json", "--pin-dir", pinDir).Output()
 		var st struct {
 			Detached *uint64 `json:"detached_accelerated_sockets"`
 		}
@@ -256,18 +157,18 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	if out := testutil.Run(t, "bpftool", "cgroup", "show", cgroup); strings.Contains(out, "sock_ops") {
+	if out := testutil.CgroupPrograms(t, cgroup); strings.Contains(out, "sock_ops") {
 		t.Fatalf("sock_ops still attached to %s:\n%s", cgroup, out)
 	}
 }
 
 // checkMetrics scrapes the agent's /metrics (address from its log) and
 // checks that the redirect counters are exported and non-zero.
-func checkMetrics(t *testing.T, p *agentProc) {
+func checkMetrics(t *testing.T, p *testutil.AgentProc) {
 	t.Helper()
-	m := regexp.MustCompile(`msg="serving metrics".* addr=(\S+)`).FindStringSubmatch(p.stderr.String())
+	m := regexp.MustCompile(`msg="serving metrics".* addr=(\S+)`).FindStringSubmatch(p.Stderr())
 	if m == nil {
-		t.Fatalf("agent did not log its metrics address:\n%s", p.stderr.String())
+		t.Fatalf("agent did not log its metrics address:\n%s", p.Stderr())
 	}
 	// A starved agent (a slow VM) may close a scrape at its 5 s header
 	// timeout: ask again, a few times.
@@ -279,7 +180,7 @@ func checkMetrics(t *testing.T, p *agentProc) {
 		}
 	}
 	if err != nil {
-		t.Fatalf("%v\nagent log:\n%s", err, p.stderr.String())
+		t.Fatalf("%v\nagent log:\n%s", err, p.Stderr())
 	}
 	defer resp.Body.Close()
 	body, _ := io.ReadAll(resp.Body)

@@ -4,7 +4,6 @@ package accel
 
 import (
 	"context"
-	"fmt"
 	"net"
 	"strconv"
 	"strings"
@@ -75,31 +74,25 @@ func vethPair(t *testing.T, a, b *testutil.Netns) (ipA, ipB string) {
 
 func TestPrivilegedIntegrityAcrossNetns(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	for _, withAgent := range []bool{false, true} {
-		t.Run(fmt.Sprintf("agent=%v", withAgent), func(t *testing.T) {
-			var a *Agent
-			if withAgent {
-				a = startAgent(t, Config{})
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		client, server := testutil.NewNetns(t, "client"), testutil.NewNetns(t, "server")
+		_, serverIP := vethPair(t, client, server)
+		ln := listenIn(t, server, net.JoinHostPort(serverIP, "8078"))
+		srv := testutil.ServeEcho(ln)
+		defer srv.Close()
+		res := testutil.CheckIntegrity(dialIn(client, net.JoinHostPort(serverIP, "8078"), ""), integrityOpts)
+		if err := res.Err(); err != nil {
+			t.Fatal(err)
+		}
+		if a != nil {
+			s := stats(t, a)
+			t.Logf("paired sockets %d, redirected %d bytes, passthrough conns %v", s.PairedSockets, s.RedirectedBytes, s.PassthroughConnections)
+			if s.Hops["direct"].PairedConnections == 0 {
+				t.Fatalf("pod-to-pod traffic over veth was not accelerated: %+v", s)
 			}
-			client, server := testutil.NewNetns(t, "client"), testutil.NewNetns(t, "server")
-			_, serverIP := vethPair(t, client, server)
-			ln := listenIn(t, server, net.JoinHostPort(serverIP, "8078"))
-			srv := testutil.ServeEcho(ln)
-			defer srv.Close()
-			res := testutil.CheckIntegrity(dialIn(client, net.JoinHostPort(serverIP, "8078"), ""), integrityOpts)
-			if err := res.Err(); err != nil {
-				t.Fatal(err)
-			}
-			if a != nil {
-				s := stats(t, a)
-				t.Logf("paired sockets %d, redirected %d bytes, passthrough conns %v", s.PairedSockets, s.RedirectedBytes, s.PassthroughConnections)
-				if s.Hops["direct"].PairedConnections == 0 {
-					t.Fatalf("pod-to-pod traffic over veth was not accelerated: %+v", s)
-				}
-				requireShare(t, s, integrityOpts.Conns, 0.95)
-			}
-		})
-	}
+			requireShare(t, s, integrityOpts.Conns, 0.95)
+		}
+	})
 }
 
 // Invariant 1: identical 4-tuples in two namespaces (every pod has

@@ -229,23 +229,17 @@ func forEachAgentMode(t *testing.T, setup func(t *testing.T) net.Listener, fn fu
 
 // forEachAgentConfig is forEachAgentMode with the agent started with cfg.
 func forEachAgentConfig(t *testing.T, cfg Config, setup func(t *testing.T) net.Listener, fn func(t *testing.T, a *Agent, ln net.Listener)) {
-	for _, withAgent := range []bool{false, true} {
-		name := "without-agent"
-		if withAgent {
-			name = "with-agent"
+	testutil.WithAndWithout(t, func(t *testing.T, withAgent bool) {
+		ln := setup(t)
+		if ln != nil {
+			t.Cleanup(func() { ln.Close() })
 		}
-		t.Run(name, func(t *testing.T) {
-			ln := setup(t)
-			if ln != nil {
-				t.Cleanup(func() { ln.Close() })
-			}
-			var a *Agent
-			if withAgent {
-				a = startAgent(t, cfg)
-			}
-			fn(t, a, ln)
-		})
-	}
+		var a *Agent
+		if withAgent {
+			a = startAgent(t, cfg)
+		}
+		fn(t, a, ln)
+	})
 }
 
 // A client of the attached cgroup whose server is outside it (the shape of

@@ -246,9 +246,7 @@ func TestPrivilegedSmallStreamSwitchKeepsEveryByte(t *testing.T) {
 func TestPrivilegedSmallStreamSocketsLeave(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	forEachAgent(t, func(t *testing.T, a *Agent) {
-		ln := mustListen(t, "127.0.0.1:0")
-		defer ln.Close()
-		client, server := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+		client, server := loopbackPair(t, a)
 		up := &streamDir{w: client, r: server}
 		// Nobody reads: one queue holds everything, whichever it is.
 		if err := up.send(SmallStreamRun+200, smallSize); err != nil {
@@ -320,9 +318,7 @@ func TestPrivilegedSmallStreamOnlySmallStreamsSwitch(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			a := startAgent(t, tc.cfg)
-			ln := mustListen(t, "127.0.0.1:0")
-			defer ln.Close()
-			client, server := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+			client, server := loopbackPair(t, a)
 			up, down := &streamDir{w: client, r: server}, &streamDir{w: server, r: client}
 			for i := range tc.n {
 				if err := up.send(1, func(int) int { return tc.size(i) }); err != nil {

@@ -57,16 +57,11 @@ func TestPrivilegedBenchQuick(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	root := full.NewRootCommand()
-	var stdout, stderr bytes.Buffer
-	root.SetOut(&stdout)
-	root.SetErr(&stderr)
-	root.SetArgs([]string{"bench", "--quick", "--json", jsonPath, "--html", htmlPath})
 	start := time.Now()
-	err := root.ExecuteContext(ctx)
-	t.Logf("bench --quick took %v\n%s", time.Since(start).Round(time.Second), stdout.String())
+	stdout, stderr, err := runCLI(ctx, "bench", "--quick", "--json", jsonPath, "--html", htmlPath)
+	t.Logf("bench --quick took %v\n%s", time.Since(start).Round(time.Second), stdout)
 	if err != nil {
-		t.Fatalf("bench --quick: %v\nstderr:\n%s", err, stderr.String())
+		t.Fatalf("bench --quick: %v\nstderr:\n%s", err, stderr)
 	}
 
 	// nothing left behind: agent pins, and the lab if bench brought it up
@@ -84,7 +79,35 @@ func TestPrivilegedBenchQuick(t *testing.T) {
 		t.Errorf("worker processes left: %v", procs)
 	}
 
-	doc, err := os.ReadFile(jsonPath)
+	rep := readReport(t, jsonPath)
+	for _, n := range rep.Notes {
+		t.Logf("note: %s", n)
+	}
+	checkQuickResults(t, rep)
+
+	// the page of a real run opens and draws in Chromium too
+	bench.RequireChromium(t)
+	shot := bench.CheckHTMLInChromium(t, htmlPath, os.Getenv("MESHWARP_KEEP_BENCH"))
+	t.Logf("screenshot %s", shot)
+}
+
+// runCLI runs the meshwarp CLI in this process, as a user would run the
+// command, and returns what it printed.
+func runCLI(ctx context.Context, args ...string) (stdout, stderr string, err error) {
+	root := full.NewRootCommand()
+	var out, errOut bytes.Buffer
+	root.SetOut(&out)
+	root.SetErr(&errOut)
+	root.SetArgs(args)
+	err = root.ExecuteContext(ctx)
+	return out.String(), errOut.String(), err
+}
+
+// readReport reads the bench JSON at path, requires it to follow
+// docs/bench-schema.json and reports the failed runs it lists.
+func readReport(t *testing.T, path string) *bench.Report {
+	t.Helper()
+	doc, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -106,15 +129,7 @@ func TestPrivilegedBenchQuick(t *testing.T) {
 	if len(rep.Failures) > 0 {
 		t.Errorf("failed runs: %v", rep.Failures)
 	}
-	for _, n := range rep.Notes {
-		t.Logf("note: %s", n)
-	}
-	checkQuickResults(t, &rep)
-
-	// the page of a real run opens and draws in Chromium too
-	bench.RequireChromium(t)
-	shot := bench.CheckHTMLInChromium(t, htmlPath, os.Getenv("MESHWARP_KEEP_BENCH"))
-	t.Logf("screenshot %s", shot)
+	return &rep
 }
 
 func checkQuickResults(t *testing.T, rep *bench.Report) {
@@ -243,15 +258,10 @@ func TestPrivilegedBenchCostWorkloads(t *testing.T) {
 	jsonPath := filepath.Join(t.TempDir(), "bench.json")
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	root := full.NewRootCommand()
-	var stdout, stderr bytes.Buffer
-	root.SetOut(&stdout)
-	root.SetErr(&stderr)
-	root.SetArgs([]string{"bench", "--workloads", "http-close,http-c1,tcp-c1,redis", "--duration", "1s", "--repeat", "1", "--json", jsonPath})
-	err := root.ExecuteContext(ctx)
-	t.Logf("%s", stdout.String())
+	stdout, stderr, err := runCLI(ctx, "bench", "--workloads", "http-close,http-c1,tcp-c1,redis", "--duration", "1s", "--repeat", "1", "--json", jsonPath)
+	t.Logf("%s", stdout)
 	if err != nil {
-		t.Fatalf("bench: %v\nstderr:\n%s", err, stderr.String())
+		t.Fatalf("bench: %v\nstderr:\n%s", err, stderr)
 	}
 	if bench.PinDirLeft(bench.DefaultPinDir) {
 		t.Errorf("agent pins left in %s", bench.DefaultPinDir)
@@ -259,28 +269,7 @@ func TestPrivilegedBenchCostWorkloads(t *testing.T) {
 	if procs := workerProcesses(t); len(procs) > 0 {
 		t.Errorf("worker processes left: %v", procs)
 	}
-	doc, err := os.ReadFile(jsonPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sch, err := jsonschema.NewCompiler().Compile("../../docs/bench-schema.json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	inst, err := jsonschema.UnmarshalJSON(bytes.NewReader(doc))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := sch.Validate(inst); err != nil {
-		t.Fatalf("bench JSON does not follow docs/bench-schema.json: %v", err)
-	}
-	var rep bench.Report
-	if err := json.Unmarshal(doc, &rep); err != nil {
-		t.Fatal(err)
-	}
-	if len(rep.Failures) > 0 {
-		t.Errorf("failed runs: %v", rep.Failures)
-	}
+	rep := readReport(t, jsonPath)
 	rows := []string{bench.WorkloadHTTPClose, bench.WorkloadHTTPC1, bench.WorkloadTCPC1, bench.WorkloadRedis, bench.WorkloadRedisPipelined}
 	for _, m := range bench.AllModes {
 		for _, w := range rows {

@@ -3,7 +3,6 @@
 package bench_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -17,7 +16,6 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/bench"
-	"github.com/meshwarp/meshwarp/internal/cli/full"
 	"github.com/meshwarp/meshwarp/internal/observe"
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
@@ -43,16 +41,12 @@ func TestPrivilegedObserveBreakdown(t *testing.T) {
 			traced := make(chan traceResult, 1)
 			go func() { traced <- traceWhileBenchRuns(ctx) }()
 
-			root := full.NewRootCommand()
-			var stdout, stderr bytes.Buffer
-			root.SetOut(&stdout)
-			root.SetErr(&stderr)
-			root.SetArgs([]string{"bench", "--modes", "sidecar+observe,sidecar+meshwarp", "--workloads", "http",
-				"--duration", "6s", "--repeat", "1", "--connections", strconv.Itoa(conns), "--json", jsonPath})
-			if err := root.ExecuteContext(ctx); err != nil {
-				t.Fatalf("bench: %v\nstderr:\n%s", err, stderr.String())
+			stdout, stderr, err := runCLI(ctx, "bench", "--modes", "sidecar+observe,sidecar+meshwarp", "--workloads", "http",
+				"--duration", "6s", "--repeat", "1", "--connections", strconv.Itoa(conns), "--json", jsonPath)
+			if err != nil {
+				t.Fatalf("bench: %v\nstderr:\n%s", err, stderr)
 			}
-			t.Log(stdout.String())
+			t.Log(stdout)
 			doc, err := os.ReadFile(jsonPath)
 			if err != nil {
 				t.Fatal(err)
@@ -177,15 +171,11 @@ func traceWhileBenchRuns(ctx context.Context) traceResult {
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
-	root := full.NewRootCommand()
-	var stdout, stderr bytes.Buffer
-	root.SetOut(&stdout)
-	root.SetErr(&stderr)
-	root.SetArgs([]string{"trace", "--pin-dir", bench.DefaultPinDir, "--duration", "2s", "--port", "8080", "--json"})
-	if err := root.ExecuteContext(ctx); err != nil {
-		return traceResult{err: fmt.Errorf("%w (stderr: %s)", err, stderr.String())}
+	stdout, stderr, err := runCLI(ctx, "trace", "--pin-dir", bench.DefaultPinDir, "--duration", "2s", "--port", "8080", "--json")
+	if err != nil {
+		return traceResult{err: fmt.Errorf("%w (stderr: %s)", err, stderr)}
 	}
 	var r traceResult
-	r.err = json.Unmarshal(stdout.Bytes(), &r.breakdown)
+	r.err = json.Unmarshal([]byte(stdout), &r.breakdown)
 	return r
 }

@@ -8,9 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -21,7 +19,7 @@ import (
 	"fortio.org/fortio/fnet"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
-	"github.com/meshwarp/meshwarp/internal/probe"
+	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
 // loopEnv is a "lab" on loopback: the worker runs as a plain child process
@@ -123,25 +121,14 @@ func (f *fakeAgent) Uninstall() error {
 
 func ownCgroupDir(t *testing.T) string {
 	t.Helper()
-	root, err := probe.Cgroup2Root()
+	dir, err := testutil.OwnCgroupDir()
 	if err != nil {
 		t.Skipf("no cgroup v2: %v", err)
 	}
-	b, err := os.ReadFile("/proc/self/cgroup")
-	if err != nil {
-		t.Skip(err)
+	if _, err := CgroupCPUSeconds(dir); err != nil {
+		t.Skipf("cannot read cpu.stat of own cgroup: %v", err)
 	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if rest, ok := strings.CutPrefix(line, "0::"); ok {
-			dir := filepath.Join(root, rest)
-			if _, err := CgroupCPUSeconds(dir); err != nil {
-				t.Skipf("cannot read cpu.stat of own cgroup: %v", err)
-			}
-			return dir
-		}
-	}
-	t.Skip("no cgroup v2 entry in /proc/self/cgroup")
-	return ""
+	return dir
 }
 
 func newLoopEnv(t *testing.T) *loopEnv {

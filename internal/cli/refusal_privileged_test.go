@@ -19,7 +19,6 @@ import (
 	"time"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
-	"github.com/meshwarp/meshwarp/internal/probe"
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
@@ -28,56 +27,6 @@ import (
 // names the problem and the fix, exits non-zero with the documented code
 // (root.go: 2 usage, 3 not ready, 1 other) and leaves nothing attached or
 // pinned. The real binary runs in its own process, as an operator runs it.
-
-// buildMeshwarp builds ./cmd/meshwarp-agent (run and cleanup are what the
-// DaemonSet runs) into a directory every uid can read and execute (the
-// unprivileged case runs it as nobody).
-func buildMeshwarp(t *testing.T) string {
-	t.Helper()
-	wd, err := os.Getwd()
-	if err != nil {
-		t.Fatal(err)
-	}
-	root := filepath.Join(wd, "..", "..") // internal/cli -> module root
-	if _, err := os.Stat(filepath.Join(root, "go.mod")); err != nil {
-		t.Fatalf("module root %s: %v", root, err)
-	}
-	dir, err := os.MkdirTemp("", "meshwarp-t-refusal-bin-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	if err := os.Chmod(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	bin := filepath.Join(dir, "meshwarp-agent")
-	cmd := exec.Command("go", "build", "-o", bin, "./cmd/meshwarp-agent")
-	cmd.Dir = root
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build ./cmd/meshwarp-agent: %v\n%s", err, out)
-	}
-	return bin
-}
-
-// testCgroup creates a throwaway cgroup v2 directory meshwarp-t-refusal-*
-// (no process joins it: the binary only attaches to it) and removes it on cleanup.
-func testCgroup(t *testing.T) string {
-	t.Helper()
-	root, err := probe.Cgroup2Root()
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir, err := os.MkdirTemp(root, "meshwarp-t-refusal-")
-	if err != nil {
-		t.Fatalf("create test cgroup: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := os.Remove(dir); err != nil {
-			t.Errorf("remove test cgroup %s: %v", dir, err)
-		}
-	})
-	return dir
-}
 
 // freshPinDir returns a path under /sys/fs/bpf that does not exist. If a
 // case leaves it behind, cleanup removes it (after the test has failed).
@@ -149,39 +98,10 @@ func runMeshwarp(t *testing.T, bin string, cred *syscall.Credential, args ...str
 	return res
 }
 
-// sockOpsOn reports what `bpftool cgroup show` lists for cg.
-func sockOpsOn(t *testing.T, cg string) string {
-	t.Helper()
-	out, err := exec.Command("bpftool", "cgroup", "show", cg).CombinedOutput()
-	if err != nil {
-		t.Fatalf("bpftool cgroup show %s: %v\n%s", cg, err, out)
-	}
-	return string(out)
-}
-
-// assertNothingLeft checks the pin dir is gone and no sock_ops program is
-// attached to cg.
-func assertNothingLeft(t *testing.T, pinDir, cg string) {
-	t.Helper()
-	if _, err := os.Lstat(pinDir); err == nil {
-		entries, _ := os.ReadDir(pinDir)
-		var names []string
-		for _, e := range entries {
-			names = append(names, e.Name())
-		}
-		t.Errorf("pin dir %s left behind, holding %v", pinDir, names)
-	} else if !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("stat %s: %v", pinDir, err)
-	}
-	if out := sockOpsOn(t, cg); strings.Contains(out, "sock_ops") {
-		t.Errorf("a sock_ops program is still attached to %s:\n%s", cg, out)
-	}
-}
-
 func TestPrivilegedRefusal(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	bin := buildMeshwarp(t)
-	cg := testCgroup(t)
+	bin := testutil.Binary(t, "meshwarp-agent")
+	cg := testutil.NewCgroup(t)
 
 	notCgroup := t.TempDir()
 	notBPFFS := t.TempDir() // exists, but on tmpfs/ext4, not bpffs
@@ -302,7 +222,7 @@ func TestPrivilegedRefusal(t *testing.T) {
 					t.Errorf("stderr does not mention %q", w)
 				}
 			}
-			assertNothingLeft(t, pinDir, cg)
+			testutil.AssertNothingLeft(t, pinDir, cg)
 		})
 	}
 
@@ -347,7 +267,7 @@ func TestPrivilegedRefusal(t *testing.T) {
 				continue wait
 			}
 		}
-		if out := sockOpsOn(t, cg); !strings.Contains(out, "sock_ops") {
+		if out := testutil.CgroupPrograms(t, cg); !strings.Contains(out, "sock_ops") {
 			t.Errorf("running agent: no sock_ops program on %s:\n%s", cg, out)
 		}
 		// One agent per pin directory: a second run, and a cleanup, are
@@ -392,6 +312,6 @@ func TestPrivilegedRefusal(t *testing.T) {
 		if code != ExitOK {
 			t.Errorf("SIGTERM: exit %d, want 0", code)
 		}
-		assertNothingLeft(t, pinDir, cg)
+		testutil.AssertNothingLeft(t, pinDir, cg)
 	})
 }

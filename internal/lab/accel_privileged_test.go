@@ -13,6 +13,7 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/testutil"
+	"github.com/meshwarp/meshwarp/internal/testutil/agenttest"
 )
 
 // The acceleration of the three mesh hops on the topology users run: the
@@ -72,12 +73,8 @@ func TestPrivilegedAcceleratedHops(t *testing.T) {
 		{"app-dual-stack", "tcp", 8077},
 	}
 	for _, app := range apps {
-		for _, withAgent := range []bool{false, true} {
-			name := app.name + "/without-agent"
-			if withAgent {
-				name = app.name + "/with-agent"
-			}
-			t.Run(name, func(t *testing.T) {
+		t.Run(app.name, func(t *testing.T) {
+			testutil.WithAndWithout(t, func(t *testing.T, withAgent bool) {
 				var ln net.Listener
 				if err := serverNs.Do(func() (err error) {
 					ln, err = net.Listen(app.network, ":"+strconv.Itoa(app.port))
@@ -91,16 +88,7 @@ func TestPrivilegedAcceleratedHops(t *testing.T) {
 
 				var a *accel.Agent
 				if withAgent {
-					var err error
-					a, err = accel.Start(accel.Config{CgroupPath: l.CgroupPath(), PinDir: testutil.PinDir(t)}, nil)
-					if err != nil {
-						t.Fatalf("start agent: %v", err)
-					}
-					defer func() {
-						if _, err := a.Uninstall(); err != nil {
-							t.Errorf("uninstall: %v", err)
-						}
-					}()
+					a = agenttest.Start(t, accel.Config{CgroupPath: l.CgroupPath()})
 				}
 				before := snapshotStats(t, l)
 				target := netip.AddrPortFrom(server.IP, uint16(app.port)).String()
@@ -152,6 +140,6 @@ func TestPrivilegedAcceleratedHops(t *testing.T) {
 					t.Errorf("only %d of %d messages redirected, want >= 95%%", s.RedirectedMessages, total)
 				}
 			})
-		}
+		})
 	}
 }

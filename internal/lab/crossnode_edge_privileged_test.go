@@ -27,15 +27,10 @@ import (
 // agents, each case is counted under its reason.
 func TestPrivilegedCrossNodeKernelCases(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	l := upForTest(t, Options{Pods: 2, Nodes: 2, Capture: true})
+	l, clientNs, _ := crossNodeEcho(t, nil)
 	client, server := l.Client(), l.Server()
-	clientNs := testutil.OpenNetns(t, client.Netns)
 	serverNs := testutil.OpenNetns(t, server.Netns)
 	clientNode := l.Nodes()[client.Node]
-	ln := listenInNode(t, l, server)
-	testutil.JoinCgroup(t, l.NodeCgroup(client.Node))
-	echo := testutil.ServeEcho(ln)
-	defer echo.Close()
 
 	const udpPort = 8079
 	var udp4, udp6 net.PacketConn
@@ -60,35 +55,21 @@ func TestPrivilegedCrossNodeKernelCases(t *testing.T) {
 		ttlType   uint8 // ICMP type of "time exceeded"
 		bigType   uint8 // ICMP type of "fragmentation needed" / "packet too big"
 		eeOrigin  uint8
-		dontFrag  func(fd int, on bool) error
-		setTTL    func(fd int, ttl int) error
+		level     int      // IPPROTO_IP or IPPROTO_IPV6: where the options below live
+		ttlOpt    int      // IP_TTL, IPV6_UNICAST_HOPS
+		pmtuOpt   int      // IP_MTU_DISCOVER, IPV6_MTU_DISCOVER
+		pmtuDo    int      // path MTU discovery on: the DF bit set
+		pmtuDont  int      // off: the kernel may fragment
 		fragments []string // reasons fragments are passed for
 	}
 	families := []family{
 		{name: "ipv4", af: unix.AF_INET, server: server.IP, node: clientNode.Bridge, udp: udp4, ttlType: 11, bigType: 3,
-			eeOrigin: unix.SO_EE_ORIGIN_ICMP,
-			dontFrag: func(fd int, on bool) error {
-				v := unix.IP_PMTUDISC_DONT
-				if on {
-					v = unix.IP_PMTUDISC_DO
-				}
-				return unix.SetsockoptInt(fd, unix.IPPROTO_IP, unix.IP_MTU_DISCOVER, v)
-			},
-			setTTL:    func(fd, ttl int) error { return unix.SetsockoptInt(fd, unix.IPPROTO_IP, unix.IP_TTL, ttl) },
+			eeOrigin: unix.SO_EE_ORIGIN_ICMP, level: unix.IPPROTO_IP, ttlOpt: unix.IP_TTL,
+			pmtuOpt: unix.IP_MTU_DISCOVER, pmtuDo: unix.IP_PMTUDISC_DO, pmtuDont: unix.IP_PMTUDISC_DONT,
 			fragments: []string{"fragment"}},
 		{name: "ipv6", af: unix.AF_INET6, server: server.IP6, node: clientNode.Bridge6, udp: udp6, ttlType: 3, bigType: 2,
-			eeOrigin: unix.SO_EE_ORIGIN_ICMP6,
-			dontFrag: func(fd int, on bool) error {
-				v := unix.IPV6_PMTUDISC_DONT
-				if on {
-					v = unix.IPV6_PMTUDISC_DO
-				}
-				return unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_MTU_DISCOVER, v)
-			},
-			setTTL: func(fd, ttl int) error {
-				return unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_UNICAST_HOPS, ttl)
-			},
-			// A fragment header is an IPv6 extension header.
+			eeOrigin: unix.SO_EE_ORIGIN_ICMP6, level: unix.IPPROTO_IPV6, ttlOpt: unix.IPV6_UNICAST_HOPS,
+			pmtuOpt: unix.IPV6_MTU_DISCOVER, pmtuDo: unix.IPV6_PMTUDISC_DO, pmtuDont: unix.IPV6_PMTUDISC_DONT,
 			fragments: []string{"fragment", "ip_options"}},
 	}
 
@@ -112,7 +93,7 @@ func TestPrivilegedCrossNodeKernelCases(t *testing.T) {
 		}
 	}
 
-	inAgentModes(t, []bool{false, true}, func(t *testing.T, withAgent bool) {
+	testutil.WithAndWithout(t, func(t *testing.T, withAgent bool) {
 		var pinDirs []string
 		if withAgent {
 			pinDirs = nodePinDirs(t, l)
@@ -135,7 +116,7 @@ func TestPrivilegedCrossNodeKernelCases(t *testing.T) {
 
 				t.Run("an expiring TTL gets time exceeded from the first node", func(t *testing.T) {
 					before := passed("ttl")
-					ee, from, err := icmpError(clientNs, f.af, to, 100, func(fd int) error { return f.setTTL(fd, 1) })
+					ee, from, err := icmpError(clientNs, f.af, to, 100, func(fd int) error { return unix.SetsockoptInt(fd, f.level, f.ttlOpt, 1) })
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -150,7 +131,7 @@ func TestPrivilegedCrossNodeKernelCases(t *testing.T) {
 				t.Run("fragments arrive reassembled", func(t *testing.T) {
 					before := passed(f.fragments...)
 					payload := bytes.Repeat([]byte{0x5a}, 3000)
-					if err := sendUDP(clientNs, f.af, to, payload, func(fd int) error { return f.dontFrag(fd, false) }); err != nil {
+					if err := sendUDP(clientNs, f.af, to, payload, func(fd int) error { return unix.SetsockoptInt(fd, f.level, f.pmtuOpt, f.pmtuDont) }); err != nil {
 						t.Fatal(err)
 					}
 					f.udp.SetReadDeadline(time.Now().Add(10 * time.Second))
@@ -169,7 +150,7 @@ func TestPrivilegedCrossNodeKernelCases(t *testing.T) {
 					defer setWireMTU(t, defaultMTU)
 					flushPMTU(t)
 					before := passed("mtu")
-					ee, from, err := icmpError(clientNs, f.af, to, 1400, func(fd int) error { return f.dontFrag(fd, true) })
+					ee, from, err := icmpError(clientNs, f.af, to, 1400, func(fd int) error { return unix.SetsockoptInt(fd, f.level, f.pmtuOpt, f.pmtuDo) })
 					if err != nil {
 						t.Fatal(err)
 					}

@@ -25,6 +25,7 @@ import (
 	"github.com/meshwarp/meshwarp/internal/metrics"
 	"github.com/meshwarp/meshwarp/internal/netns"
 	"github.com/meshwarp/meshwarp/internal/testutil"
+	"github.com/meshwarp/meshwarp/internal/testutil/agenttest"
 )
 
 // Cross-node forwarding on the two-node lab: the client pod on node 0, the
@@ -86,38 +87,42 @@ func nodePinDirs(t *testing.T, l *Lab) []string {
 	return dirs
 }
 
-// inAgentModes runs fn as subtests "without-agent" and "with-agent", in
-// the order given: the same assertions with and without the agents.
-func inAgentModes(t *testing.T, order []bool, fn func(t *testing.T, withAgent bool)) {
-	t.Helper()
-	for _, withAgent := range order {
-		mode := "without-agent"
-		if withAgent {
-			mode = "with-agent"
-		}
-		t.Run(mode, func(t *testing.T) { fn(t, withAgent) })
-	}
-}
-
 // startNodeAgents starts one agent per node (its cgroup, its namespace),
 // checking the nodes every interval, and uninstalls them on cleanup.
 func startNodeAgents(t *testing.T, l *Lab, pinDirs []string, interval time.Duration) {
 	t.Helper()
 	for i, n := range l.Nodes() {
-		a, err := accel.Start(accel.Config{CgroupPath: l.NodeCgroup(i), PinDir: pinDirs[i], CrossNode: true,
-			CrossNodes: []crossnode.Node{{Netns: netnsPath(n.Netns)}}, CrossNodeInterval: interval}, nil)
-		if err != nil {
-			t.Fatalf("start the agent of %s: %v", n.Netns, err)
-		}
+		// Registered first, so it runs after the agent's uninstall.
 		t.Cleanup(func() {
-			if _, err := a.Uninstall(); err != nil {
-				t.Errorf("uninstall: %v", err)
-			}
 			if _, err := crossnode.ReadPinnedStats(pinDirs[i]); !errors.Is(err, crossnode.ErrNotInstalled) {
 				t.Errorf("after uninstall the cross-node pins remain: %v", err)
 			}
 		})
+		agenttest.Start(t, accel.Config{CgroupPath: l.NodeCgroup(i), PinDir: pinDirs[i], CrossNode: true,
+			CrossNodes: []crossnode.Node{{Netns: netnsPath(n.Netns)}}, CrossNodeInterval: interval})
 	}
+}
+
+// crossNodeEcho brings up two pods on two nodes with an echo app on
+// crossNodePort in the server's node (its listener passed through wrap when
+// wrap is not nil) and moves this process into the client node's cgroup:
+// the setup of the cross-node tests.
+func crossNodeEcho(t *testing.T, wrap func(net.Listener) net.Listener) (l *Lab, clientNs *testutil.Netns, echo *testutil.EchoServer) {
+	t.Helper()
+	l = upForTest(t, Options{Pods: 2, Nodes: 2, Capture: true})
+	client, server := l.Client(), l.Server()
+	if client.Node == server.Node {
+		t.Fatal("client and server on one node")
+	}
+	clientNs = testutil.OpenNetns(t, client.Netns)
+	ln := listenInNode(t, l, server)
+	testutil.JoinCgroup(t, l.NodeCgroup(client.Node))
+	if wrap != nil {
+		ln = wrap(ln)
+	}
+	echo = testutil.ServeEcho(ln)
+	t.Cleanup(echo.Close)
+	return l, clientNs, echo
 }
 
 // listenInNode opens the server's listener with the server node's cgroup
@@ -193,19 +198,11 @@ func echoOnce(ns *testutil.Netns, network, addr string, msg []byte, timeout time
 
 func TestPrivilegedCrossNode(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	l := upForTest(t, Options{Pods: 2, Nodes: 2, Capture: true})
+	rec := &sourceRecorder{sources: map[netip.Addr]int{}}
+	l, clientNs, echo := crossNodeEcho(t, func(ln net.Listener) net.Listener { rec.Listener = ln; return rec })
 	client, server := l.Client(), l.Server()
-	if client.Node == server.Node {
-		t.Fatal("client and server on one node")
-	}
-	clientNs := testutil.OpenNetns(t, client.Netns)
 	serverNode := l.Nodes()[server.Node]
 	serverCookie := nodeCookie(t, serverNode.Netns)
-	ln := listenInNode(t, l, server)
-	testutil.JoinCgroup(t, l.NodeCgroup(client.Node))
-	rec := &sourceRecorder{Listener: ln, sources: map[netip.Addr]int{}}
-	echo := testutil.ServeEcho(rec)
-	defer echo.Close()
 
 	v4 := netip.AddrPortFrom(server.IP, crossNodePort).String()
 	v6 := netip.AddrPortFrom(server.IP6, crossNodePort).String()
@@ -220,7 +217,7 @@ func TestPrivilegedCrossNode(t *testing.T) {
 		testutil.Run(t, "ip", append([]string{"netns", "exec", serverNode.Netns}, args...)...)
 	}
 
-	inAgentModes(t, []bool{false, true}, func(t *testing.T, withAgent bool) {
+	testutil.WithAndWithout(t, func(t *testing.T, withAgent bool) {
 		var pinDirs []string
 		serverPins := ""
 		if withAgent {
@@ -392,38 +389,15 @@ func TestPrivilegedCrossNode(t *testing.T) {
 // programs) and stopped (uninstalling).
 func TestPrivilegedCrossNodeLifecycle(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	l := upForTest(t, Options{Pods: 2, Nodes: 2, Capture: true})
-	client, server := l.Client(), l.Server()
-	clientNs := testutil.OpenNetns(t, client.Netns)
-	ln := listenInNode(t, l, server)
-	testutil.JoinCgroup(t, l.NodeCgroup(client.Node))
-	echo := testutil.ServeEcho(ln)
-	defer echo.Close()
+	l, clientNs, echo := crossNodeEcho(t, nil)
+	server := l.Server()
 
-	bin := testutil.MeshwarpBinary(t)
 	pinDirs := nodePinDirs(t, l)
-	type agentProc struct {
-		cmd *exec.Cmd
-		out *testutil.SyncBuffer
-	}
 	// run starts one `meshwarp run --cross-node` per node.
-	run := func() []agentProc {
-		var procs []agentProc
+	run := func() []*testutil.AgentProc {
+		var procs []*testutil.AgentProc
 		for i, n := range l.Nodes() {
-			out := &testutil.SyncBuffer{}
-			cmd := exec.Command(bin, "run", "--cgroup", l.NodeCgroup(i), "--pin-dir", pinDirs[i], "--metrics-addr", "",
-				"--cross-node", "--node-netns", netnsPath(n.Netns))
-			cmd.Stdout, cmd.Stderr = out, out
-			if err := cmd.Start(); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				if cmd.ProcessState == nil {
-					cmd.Process.Kill()
-					cmd.Wait()
-				}
-			})
-			procs = append(procs, agentProc{cmd, out})
+			procs = append(procs, testutil.StartAgentProc(t, l.NodeCgroup(i), pinDirs[i], "--cross-node", "--node-netns", netnsPath(n.Netns)))
 		}
 		return procs
 	}
@@ -482,8 +456,7 @@ func TestPrivilegedCrossNodeLifecycle(t *testing.T) {
 	// kill: the pinned programs stay; without an agent's check they stop
 	// redirecting (everything takes the normal path) within VerifiedFor.
 	for _, a := range agents {
-		a.cmd.Process.Signal(syscall.SIGKILL)
-		a.cmd.Wait()
+		a.Stop(t, syscall.SIGKILL)
 	}
 	for i, n := range l.Nodes() {
 		waitNodeState(t, pinDirs[i], nodeCookie(t, n.Netns), "unverified after the agent was killed", func(s crossnode.NodeState) bool { return !s.Verified })
@@ -498,9 +471,8 @@ func TestPrivilegedCrossNodeLifecycle(t *testing.T) {
 
 	// SIGTERM: uninstall under load.
 	for _, a := range agents {
-		a.cmd.Process.Signal(syscall.SIGTERM)
-		if err := a.cmd.Wait(); err != nil {
-			t.Errorf("agent exit: %v\n%s", err, a.out.String())
+		if code := a.Stop(t, syscall.SIGTERM); code != 0 {
+			t.Errorf("agent exit %d\n%s", code, a.Stderr())
 		}
 	}
 	for _, dir := range pinDirs {
@@ -535,14 +507,9 @@ func TestPrivilegedCrossNodeLifecycle(t *testing.T) {
 // assertions hold without the agents (run second: the tables stay).
 func TestPrivilegedCrossNodeNetfilterAtOnce(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	l := upForTest(t, Options{Pods: 2, Nodes: 2, Capture: true})
-	client, server := l.Client(), l.Server()
-	clientNs := testutil.OpenNetns(t, client.Netns)
+	l, clientNs, _ := crossNodeEcho(t, nil)
+	server := l.Server()
 	serverNode := l.Nodes()[server.Node]
-	ln := listenInNode(t, l, server)
-	testutil.JoinCgroup(t, l.NodeCgroup(client.Node))
-	echo := testutil.ServeEcho(ln)
-	defer echo.Close()
 
 	const natPort = 9077 // reaches the app only through the node's DNAT
 	type change struct {
@@ -574,7 +541,7 @@ func TestPrivilegedCrossNodeNetfilterAtOnce(t *testing.T) {
 					append([]string{"-t", "nat", "-D"}, dnat...), natPort, false},
 				change{"a DNAT in a chain the node has", append([]string{"-t", "nat", "-A"}, dnat...),
 					append([]string{"-t", "nat", "-D"}, dnat...), natPort, false})
-			inAgentModes(t, []bool{true, false}, func(t *testing.T, withAgent bool) {
+			testutil.WithThenWithout(t, func(t *testing.T, withAgent bool) {
 				for _, c := range cases {
 					t.Run(c.name, func(t *testing.T) {
 						nodeRules := func(args []string) {

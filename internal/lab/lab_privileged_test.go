@@ -72,7 +72,7 @@ func upForTest(t *testing.T, opts Options) *Lab {
 		if err := Down(context.Background(), testLogger(t)); err != nil {
 			t.Errorf("cleanup: %v", err)
 		}
-		assertNothingLeft(t, pids, linksBefore)
+		assertLabGone(t, pids, linksBefore)
 	})
 	l, err := Up(context.Background(), opts, testLogger(t))
 	if err != nil {
@@ -116,7 +116,9 @@ func rootLabLinks(t *testing.T) []string {
 	return links
 }
 
-func assertNothingLeft(t *testing.T, pids []int, rootLinksBefore []string) {
+// assertLabGone checks that nothing of the lab is left: namespaces, its cgroup,
+// its run directory, its processes and links in the root namespace.
+func assertLabGone(t *testing.T, pids []int, rootLinksBefore []string) {
 	t.Helper()
 	if ns := labNetnsOnDisk(); len(ns) > 0 {
 		t.Errorf("namespaces left: %v", ns)
@@ -197,7 +199,7 @@ func TestPrivilegedUpDownLeavesNothing(t *testing.T) {
 		if err := Down(ctx, testLogger(t)); err != nil {
 			t.Fatalf("down: %v", err)
 		}
-		assertNothingLeft(t, pids, linksBefore)
+		assertLabGone(t, pids, linksBefore)
 	}
 	if err := Down(ctx, testLogger(t)); err != nil {
 		t.Errorf("down without a lab: %v", err)
@@ -508,7 +510,7 @@ func TestPrivilegedDownAfterCrash(t *testing.T) {
 		if err := Down(ctx, testLogger(t)); err != nil {
 			t.Fatal(err)
 		}
-		assertNothingLeft(t, nil, linksBefore)
+		assertLabGone(t, nil, linksBefore)
 	})
 
 	t.Run("after sidecars started, before ready", func(t *testing.T) {
@@ -520,7 +522,7 @@ func TestPrivilegedDownAfterCrash(t *testing.T) {
 		if err := Down(ctx, testLogger(t)); err != nil {
 			t.Fatal(err)
 		}
-		assertNothingLeft(t, pids, linksBefore)
+		assertLabGone(t, pids, linksBefore)
 	})
 
 	t.Run("up after a crash rebuilds", func(t *testing.T) {
@@ -543,7 +545,7 @@ func TestPrivilegedDownAfterCrash(t *testing.T) {
 		if err := Down(ctx, testLogger(t)); err != nil {
 			t.Fatal(err)
 		}
-		assertNothingLeft(t, all, linksBefore)
+		assertLabGone(t, all, linksBefore)
 	})
 }
 

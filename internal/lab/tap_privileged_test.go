@@ -18,6 +18,7 @@ import (
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/tap"
 	"github.com/meshwarp/meshwarp/internal/testutil"
+	"github.com/meshwarp/meshwarp/internal/testutil/agenttest"
 )
 
 // HTTP through the lab's accelerated sidecars while tapping: tshark reads
@@ -31,11 +32,7 @@ func TestPrivilegedTapThroughSidecars(t *testing.T) {
 	testutil.JoinCgroup(t, l.CgroupPath())
 	clientNs := testutil.OpenNetns(t, client.Netns)
 	pinDir := testutil.PinDir(t)
-	a, err := accel.Start(accel.Config{CgroupPath: l.CgroupPath(), PinDir: pinDir}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Uninstall()
+	agenttest.Start(t, accel.Config{CgroupPath: l.CgroupPath(), PinDir: pinDir})
 
 	file := filepath.Join(t.TempDir(), "mesh.pcapng")
 	f, err := os.Create(file)

@@ -16,6 +16,7 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/testutil"
+	"github.com/meshwarp/meshwarp/internal/testutil/agenttest"
 )
 
 const dashboardFile = "../../deploy/grafana/meshwarp.json"
@@ -99,11 +100,7 @@ func TestPrivilegedDashboardMetricsExist(t *testing.T) {
 	slices.Sort(used)
 	used = slices.Compact(used)
 
-	a, err := accel.Start(accel.Config{CgroupPath: testutil.EnterCgroup(t), PinDir: testutil.PinDir(t), Observe: true}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Uninstall()
+	a := agenttest.Start(t, accel.Config{Observe: true})
 	srv := httptest.NewServer(Handler(a.Stats, a.Flows))
 	defer srv.Close()
 	// The RED series exist once there was a request, a reset and a failed connect.

@@ -21,6 +21,7 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/testutil"
+	"github.com/meshwarp/meshwarp/internal/testutil/agenttest"
 )
 
 // RED series from the live agent, on accelerated connections (sk_msg) and
@@ -46,14 +47,7 @@ func TestPrivilegedREDMetrics(t *testing.T) {
 			}
 			get(earlyClient, early.URL)
 
-			a, err := accel.Start(accel.Config{
-				CgroupPath: cgroup, PinDir: testutil.PinDir(t),
-				Observe: true, ObserveOnly: !accelerate,
-			}, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer a.Uninstall()
+			a := agenttest.Start(t, accel.Config{CgroupPath: cgroup, Observe: true, ObserveOnly: !accelerate})
 			const earlyGets = 30
 			for range earlyGets {
 				get(earlyClient, early.URL)

@@ -18,6 +18,7 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/testutil"
+	"github.com/meshwarp/meshwarp/internal/testutil/agenttest"
 )
 
 // An agent's settings hold through a tap: the tap's program runs with the
@@ -61,12 +62,8 @@ func TestPrivilegedTapKeepsAgentSettings(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			pinDir := testutil.PinDir(t)
 			cfg := tc.cfg
-			cfg.CgroupPath, cfg.PinDir = testutil.EnterCgroup(t), pinDir
-			a, err := accel.Start(cfg, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer a.Uninstall()
+			cfg.PinDir = pinDir
+			a := agenttest.Start(t, cfg)
 			ln, err := net.Listen("tcp4", "127.0.0.1:0")
 			if err != nil {
 				t.Fatal(err)

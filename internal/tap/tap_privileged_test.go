@@ -16,6 +16,7 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/testutil"
+	"github.com/meshwarp/meshwarp/internal/testutil/agenttest"
 )
 
 // startTap runs Run in the background until the returned stop is called.
@@ -56,11 +57,7 @@ func startTap(t *testing.T, o Options) (stop func() Result) {
 func TestPrivilegedTapHTTP(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	pinDir := testutil.PinDir(t)
-	a, err := accel.Start(accel.Config{CgroupPath: testutil.EnterCgroup(t), PinDir: pinDir}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Uninstall()
+	a := agenttest.Start(t, accel.Config{PinDir: pinDir})
 	for _, tc := range []struct{ name, network, listen, dial string }{
 		{"ipv4", "tcp4", "127.0.0.1:0", "127.0.0.1"},
 		{"ipv6", "tcp6", "[::1]:0", "::1"},

@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 
-// Package testutil holds helpers for privileged integration tests: real
-// sockets in throwaway network namespaces and cgroups, all named with a
-// meshwarp prefix and removed on cleanup (also when the test fails).
+// Package testutil is the test kit: helpers for privileged integration
+// tests (real sockets in throwaway network namespaces and cgroups, all named
+// with a meshwarp prefix and removed on cleanup, also when the test fails),
+// agents started in-process (StartAgent) or as a process (StartAgentProc),
+// the with/without-agent loop (WithAndWithout), the binaries under test
+// (Binary) and traffic checkers (CheckIntegrity).
 package testutil
 
 import (
@@ -47,6 +50,18 @@ var cgroupMu sync.Mutex
 // cleanup. It returns the cgroup path.
 func EnterCgroup(t testing.TB) string {
 	t.Helper()
+	// Cleanups run last-in first-out: NewCgroup's, registered before
+	// JoinCgroup's, runs after the process has left the cgroup.
+	dir := NewCgroup(t)
+	JoinCgroup(t, dir)
+	return dir
+}
+
+// NewCgroup creates a throwaway cgroup v2 directory named meshwarp-test-*,
+// which no process joins (for an agent run as a separate process, which
+// only attaches to it), and removes it on cleanup.
+func NewCgroup(t testing.TB) string {
+	t.Helper()
 	root, err := probe.Cgroup2Root()
 	if err != nil {
 		t.Fatal(err)
@@ -55,14 +70,11 @@ func EnterCgroup(t testing.TB) string {
 	if err != nil {
 		t.Fatalf("create test cgroup: %v", err)
 	}
-	// Cleanups run last-in first-out: this one, registered before
-	// JoinCgroup's, runs after the process has left the cgroup.
 	t.Cleanup(func() {
 		if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
 			t.Errorf("remove test cgroup %s: %v", dir, err)
 		}
 	})
-	JoinCgroup(t, dir)
 	return dir
 }
 
@@ -95,6 +107,19 @@ func JoinCgroup(t testing.TB, dir string) {
 
 func joinCgroup(dir string) error {
 	return os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(fmt.Sprint(os.Getpid())), 0o644)
+}
+
+// OwnCgroupDir returns the cgroup v2 directory this process is in.
+func OwnCgroupDir() (string, error) {
+	root, err := probe.Cgroup2Root()
+	if err != nil {
+		return "", err
+	}
+	rel, err := ownCgroup()
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(root, rel), nil
 }
 
 // ownCgroup returns this process's cgroup v2 path relative to the v2 root.
@@ -248,46 +273,61 @@ func Tshark(t testing.TB, file string, args ...string) string {
 	return string(out)
 }
 
-var (
-	binOnce sync.Once
-	binPath string
-	binErr  error
-)
-
 // BinEnv names a prebuilt cmd/meshwarp for MeshwarpBinary to use instead of
 // building one: scripts/vmtest.sh sets it, as its VMs have no writable Go
 // build cache (and compiling under emulation would eat the time budget).
 const BinEnv = "MESHWARP_TEST_BIN"
 
-// MeshwarpBinary builds cmd/meshwarp once per test binary (for tests that
-// run the CLI as a user would: a separate process, a terminal), or returns
-// $MESHWARP_TEST_BIN when set.
+// MeshwarpBinary is Binary(t, "meshwarp"), or $MESHWARP_TEST_BIN when set.
 func MeshwarpBinary(t testing.TB) string {
 	t.Helper()
 	if bin := os.Getenv(BinEnv); bin != "" {
 		return bin
 	}
-	binOnce.Do(func() {
-		out, err := exec.Command("go", "env", "GOMOD").Output()
-		if err != nil {
-			binErr = fmt.Errorf("go env GOMOD: %w", err)
-			return
-		}
-		root := filepath.Dir(strings.TrimSpace(string(out)))
-		dir, err := os.MkdirTemp("", "meshwarp-test-bin-")
-		if err != nil {
-			binErr = err
-			return
-		}
-		binPath = filepath.Join(dir, "meshwarp")
-		cmd := exec.Command("go", "build", "-o", binPath, "./cmd/meshwarp")
-		cmd.Dir = root
-		if out, err := cmd.CombinedOutput(); err != nil {
-			binErr = fmt.Errorf("build meshwarp: %w\n%s", err, out)
-		}
-	})
-	if binErr != nil {
-		t.Fatal(binErr)
+	return Binary(t, "meshwarp")
+}
+
+type built struct {
+	once sync.Once
+	path string
+	err  error
+}
+
+var binaries sync.Map // command name -> *built
+
+// Binary builds ./cmd/<name> of this module once per test binary, for tests
+// that run a command as a user or the DaemonSet would (a separate process,
+// a terminal), and returns its path. The binary's directory is readable and
+// executable by every uid (a test may run it as nobody).
+func Binary(t testing.TB, name string) string {
+	t.Helper()
+	v, _ := binaries.LoadOrStore(name, &built{})
+	b := v.(*built)
+	b.once.Do(func() { b.path, b.err = build(name) })
+	if b.err != nil {
+		t.Fatal(b.err)
 	}
-	return binPath
+	return b.path
+}
+
+func build(name string) (string, error) {
+	out, err := exec.Command("go", "env", "GOMOD").Output()
+	if err != nil {
+		return "", fmt.Errorf("go env GOMOD: %w", err)
+	}
+	root := filepath.Dir(strings.TrimSpace(string(out)))
+	dir, err := os.MkdirTemp("", "meshwarp-test-bin-")
+	if err != nil {
+		return "", err
+	}
+	if err := os.Chmod(dir, 0o755); err != nil {
+		return "", err
+	}
+	bin := filepath.Join(dir, name)
+	cmd := exec.Command("go", "build", "-o", bin, "./cmd/"+name)
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go build ./cmd/%s: %w\n%s", name, err, out)
+	}
+	return bin, nil
 }

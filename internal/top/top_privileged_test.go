@@ -8,16 +8,20 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/observe"
 	"github.com/meshwarp/meshwarp/internal/testutil"
+	"github.com/meshwarp/meshwarp/internal/testutil/agenttest"
 )
 
 // load runs HTTP requests against two applications of the agent's cgroup
@@ -46,27 +50,12 @@ func load(t *testing.T) (okServer, failServer string) {
 	return strings.TrimPrefix(ok.URL, "http://"), strings.TrimPrefix(fail.URL, "http://")
 }
 
+// startAgent starts an observing agent on a throwaway cgroup this test
+// process joins and returns its pin directory.
 func startAgent(t *testing.T) string {
 	pin := testutil.PinDir(t)
-	a, err := accel.Start(accel.Config{CgroupPath: testutil.EnterCgroup(t), PinDir: pin, Observe: true}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { a.Uninstall() })
+	agenttest.Start(t, accel.Config{PinDir: pin, Observe: true})
 	return pin
-}
-
-type row struct {
-	Client            string  `json:"client"`
-	Server            string  `json:"server"`
-	Protocol          string  `json:"protocol"`
-	RequestsPerSecond float64 `json:"requests_per_second"`
-	ErrorsPerSecond   float64 `json:"errors_per_second"`
-	P50Seconds        float64 `json:"p50_seconds"`
-	P99Seconds        float64 `json:"p99_seconds"`
-	BytesPerSecond    float64 `json:"bytes_per_second"`
-	AcceleratedShare  float64 `json:"accelerated_share"`
-	Hop               string  `json:"hop"`
 }
 
 // `meshwarp top --once --json` lists both flows with their rates, and bad
@@ -82,15 +71,28 @@ func TestPrivilegedTopOnceJSON(t *testing.T) {
 		t.Fatalf("top --once --json: %v", err)
 	}
 	var snap struct {
-		IntervalSeconds float64 `json:"interval_seconds"`
-		Flows           []row   `json:"flows"`
+		IntervalSeconds float64       `json:"interval_seconds"`
+		Flows           []observe.Row `json:"flows"`
 	}
 	dec := json.NewDecoder(strings.NewReader(string(out)))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&snap); err != nil {
 		t.Fatalf("decode %s: %v", out, err)
 	}
-	got := map[string]row{}
+	// The JSON names are what scripts read: exactly these, whatever observe.Row becomes.
+	var raw struct {
+		Flows []map[string]json.RawMessage `json:"flows"`
+	}
+	if err := json.Unmarshal(out, &raw); err != nil {
+		t.Fatal(err)
+	}
+	const keys = "accelerated_share bytes_per_second client errors_per_second hop p50_seconds p99_seconds protocol requests_per_second server"
+	for _, f := range raw.Flows {
+		if got := strings.Join(slices.Sorted(maps.Keys(f)), " "); got != keys {
+			t.Errorf("flow keys %q, want %q", got, keys)
+		}
+	}
+	got := map[string]observe.Row{}
 	for _, r := range snap.Flows {
 		got[r.Server] = r
 	}
