@@ -59,6 +59,36 @@ func forEachAgent(t *testing.T, fn func(t *testing.T, a *Agent)) {
 // pattern is the byte at stream offset off.
 func pattern(off int64) byte { return byte(off*7 + off>>8) }
 
+// writeUntilBlocked writes the pattern from stream offset written with
+// non-blocking writes until the kernel says EAGAIN (how much a writer gets
+// rid of while nobody reads), or bound bytes; any other error is returned.
+func writeUntilBlocked(c net.Conn, written, bound int64) (int64, error) {
+	rc, err := c.(syscall.Conn).SyscallConn()
+	if err != nil {
+		return written, err
+	}
+	chunk := make([]byte, 64<<10)
+	for written < bound {
+		for i := range chunk {
+			chunk[i] = pattern(written + int64(i))
+		}
+		var n int
+		var werr error
+		rc.Write(func(fd uintptr) bool {
+			n, werr = unix.SendmsgN(int(fd), chunk, nil, nil, unix.MSG_DONTWAIT)
+			return true
+		})
+		if errors.Is(werr, unix.EAGAIN) {
+			break
+		}
+		if werr != nil {
+			return written, fmt.Errorf("write after %d bytes: %w", written, werr)
+		}
+		written += int64(n)
+	}
+	return written, nil
+}
+
 // A writer to a receiver that does not read is blocked after a few MB, as
 // on TCP, and every byte arrives in order once the receiver reads.
 func TestPrivilegedFaithfulSlowReader(t *testing.T) {
@@ -66,31 +96,9 @@ func TestPrivilegedFaithfulSlowReader(t *testing.T) {
 	const bound = 16 << 20 // plain TCP blocks after ~3 MB here
 	forEachAgent(t, func(t *testing.T, a *Agent) {
 		client, server := loopbackPair(t, a)
-		rc, err := client.(syscall.Conn).SyscallConn()
+		written, err := writeUntilBlocked(client, 0, bound)
 		if err != nil {
 			t.Fatal(err)
-		}
-		// Non-blocking writes until the kernel says EAGAIN: how much a writer
-		// gets rid of while nobody reads.
-		var written int64
-		chunk := make([]byte, 64<<10)
-		for written < bound {
-			for i := range chunk {
-				chunk[i] = pattern(written + int64(i))
-			}
-			var n int
-			var werr error
-			rc.Write(func(fd uintptr) bool {
-				n, werr = unix.SendmsgN(int(fd), chunk, nil, nil, unix.MSG_DONTWAIT)
-				return true
-			})
-			if errors.Is(werr, unix.EAGAIN) {
-				break
-			}
-			if werr != nil {
-				t.Fatalf("write after %d bytes: %v", written, werr)
-			}
-			written += int64(n)
 		}
 		t.Logf("writer blocked after %d bytes", written)
 		if written >= bound {
@@ -100,6 +108,7 @@ func TestPrivilegedFaithfulSlowReader(t *testing.T) {
 		total := written + 4<<20
 		werr := make(chan error, 1)
 		go func() {
+			chunk := make([]byte, 64<<10)
 			for written < total {
 				n := min(int64(len(chunk)), total-written)
 				for i := range n {

@@ -17,8 +17,6 @@ import (
 	"strings"
 	"testing"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
@@ -91,30 +89,10 @@ func TestPrivilegedNodeMemoryPressureBlocksWriter(t *testing.T) {
 		lowTCPMem(t)
 		// Non-blocking writes on every connection until the kernel says
 		// EAGAIN: nobody reads, so the node's TCP memory fills up.
-		chunk := make([]byte, 64<<10)
 		for i, d := range dirs {
-			rc, err := d.w.(*net.TCPConn).SyscallConn()
-			if err != nil {
-				t.Fatal(err)
-			}
-			for d.written < bound {
-				for j := range chunk {
-					chunk[j] = pattern(d.written + int64(j))
-				}
-				var n int
-				var werr error
-				rc.Write(func(fd uintptr) bool {
-					n, werr = unix.SendmsgN(int(fd), chunk, nil, nil, unix.MSG_DONTWAIT)
-					return true
-				})
-				if errors.Is(werr, unix.EAGAIN) {
-					break
-				}
-				if werr != nil {
-					t.Fatalf("connection %d: write after %d bytes, node TCP memory %d pages: %v (TCP waits here)",
-						i, d.written, tcpMemPages(t), werr)
-				}
-				d.written += int64(n)
+			var err error
+			if d.written, err = writeUntilBlocked(d.w, 0, bound); err != nil {
+				t.Fatalf("connection %d: %v, node TCP memory %d pages (TCP waits here)", i, err, tcpMemPages(t))
 			}
 			if d.written >= bound {
 				t.Fatalf("connection %d: a writer to a reader that never reads got rid of %d bytes without blocking", i, d.written)
