@@ -124,7 +124,7 @@ static __always_inline void watch_flags(long fd, long flags, bool receiving)
  * reader may splice a socket before it is paired), and counted.
  */
 SEC("tracepoint/syscalls/sys_enter_splice")
-int mw_splice_watch(struct trace_event_raw_sys_enter *ctx)
+int mw_sys_splice(struct trace_event_raw_sys_enter *ctx)
 {
 	struct mw_counters *cnt;
 	struct sock *sk;
@@ -143,21 +143,21 @@ int mw_splice_watch(struct trace_event_raw_sys_enter *ctx)
 
 /* recvfrom(fd, buf, len, flags, ...), recvmsg(fd, msg, flags), recvmmsg(fd, vec, vlen, flags, ...) */
 SEC("tracepoint/syscalls/sys_enter_recvfrom")
-int mw_recvfrom_watch(struct trace_event_raw_sys_enter *ctx)
+int mw_sys_recvfrom(struct trace_event_raw_sys_enter *ctx)
 {
 	watch_flags(ctx->args[0], ctx->args[3], true);
 	return 0;
 }
 
 SEC("tracepoint/syscalls/sys_enter_recvmsg")
-int mw_recvmsg_watch(struct trace_event_raw_sys_enter *ctx)
+int mw_sys_recvmsg(struct trace_event_raw_sys_enter *ctx)
 {
 	watch_flags(ctx->args[0], ctx->args[2], true);
 	return 0;
 }
 
 SEC("tracepoint/syscalls/sys_enter_recvmmsg")
-int mw_recvmmsg_watch(struct trace_event_raw_sys_enter *ctx)
+int mw_sys_recvmmsg(struct trace_event_raw_sys_enter *ctx)
 {
 	watch_flags(ctx->args[0], ctx->args[3], true);
 	return 0;
@@ -165,21 +165,21 @@ int mw_recvmmsg_watch(struct trace_event_raw_sys_enter *ctx)
 
 /* sendto(fd, buf, len, flags, ...), sendmsg(fd, msg, flags), sendmmsg(fd, vec, vlen, flags) */
 SEC("tracepoint/syscalls/sys_enter_sendto")
-int mw_sendto_watch(struct trace_event_raw_sys_enter *ctx)
+int mw_sys_sendto(struct trace_event_raw_sys_enter *ctx)
 {
 	watch_flags(ctx->args[0], ctx->args[3], false);
 	return 0;
 }
 
 SEC("tracepoint/syscalls/sys_enter_sendmsg")
-int mw_sendmsg_watch(struct trace_event_raw_sys_enter *ctx)
+int mw_sys_sendmsg(struct trace_event_raw_sys_enter *ctx)
 {
 	watch_flags(ctx->args[0], ctx->args[2], false);
 	return 0;
 }
 
 SEC("tracepoint/syscalls/sys_enter_sendmmsg")
-int mw_sendmmsg_watch(struct trace_event_raw_sys_enter *ctx)
+int mw_sys_sendmmsg(struct trace_event_raw_sys_enter *ctx)
 {
 	watch_flags(ctx->args[0], ctx->args[3], false);
 	return 0;
@@ -191,7 +191,7 @@ int mw_sendmmsg_watch(struct trace_event_raw_sys_enter *ctx)
  * the next connection on the socket would read them first.
  */
 SEC("tracepoint/syscalls/sys_enter_connect")
-int mw_connect_watch(struct trace_event_raw_sys_enter *ctx)
+int mw_sys_connect(struct trace_event_raw_sys_enter *ctx)
 {
 	struct sock *sk;
 	__u16 family = 0xffff;
@@ -213,7 +213,7 @@ int mw_connect_watch(struct trace_event_raw_sys_enter *ctx)
  * matter (at worst a port is learned without need).
  */
 SEC("tracepoint/syscalls/sys_enter_close")
-int mw_close_watch(struct trace_event_raw_sys_enter *ctx)
+int mw_sys_close(struct trace_event_raw_sys_enter *ctx)
 {
 	struct sock *sk;
 
@@ -233,7 +233,7 @@ int mw_close_watch(struct trace_event_raw_sys_enter *ctx)
  * redirect queue. The agent attaches this watch only on such kernels.
  */
 SEC("tracepoint/syscalls/sys_enter_ioctl")
-int mw_ioctl_watch(struct trace_event_raw_sys_enter *ctx)
+int mw_sys_ioctl(struct trace_event_raw_sys_enter *ctx)
 {
 	struct sock *sk;
 

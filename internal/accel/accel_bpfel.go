@@ -333,24 +333,24 @@ const (
 	accelMapMwUnfitProcs           = "mw_unfit_procs"
 	accelMapMwUnfitRport           = "mw_unfit_rport"
 	accelMapMwUnhinted             = "mw_unhinted"
-	accelProgMwCloseWatch          = "mw_close_watch"
-	accelProgMwConnectWatch        = "mw_connect_watch"
 	accelProgMwFinOrder            = "mw_fin_order"
-	accelProgMwIoctlWatch          = "mw_ioctl_watch"
 	accelProgMwObsEgress           = "mw_obs_egress"
 	accelProgMwObsIngress          = "mw_obs_ingress"
 	accelProgMwObsRecv             = "mw_obs_recv"
-	accelProgMwRecvfromWatch       = "mw_recvfrom_watch"
-	accelProgMwRecvmmsgWatch       = "mw_recvmmsg_watch"
-	accelProgMwRecvmsgWatch        = "mw_recvmsg_watch"
-	accelProgMwSendmmsgWatch       = "mw_sendmmsg_watch"
-	accelProgMwSendmsgWatch        = "mw_sendmsg_watch"
-	accelProgMwSendtoWatch         = "mw_sendto_watch"
 	accelProgMwSetsockopt          = "mw_setsockopt"
 	accelProgMwSkmsg               = "mw_skmsg"
 	accelProgMwSkmsgTap            = "mw_skmsg_tap"
 	accelProgMwSockops             = "mw_sockops"
-	accelProgMwSpliceWatch         = "mw_splice_watch"
+	accelProgMwSysClose            = "mw_sys_close"
+	accelProgMwSysConnect          = "mw_sys_connect"
+	accelProgMwSysIoctl            = "mw_sys_ioctl"
+	accelProgMwSysRecvfrom         = "mw_sys_recvfrom"
+	accelProgMwSysRecvmmsg         = "mw_sys_recvmmsg"
+	accelProgMwSysRecvmsg          = "mw_sys_recvmsg"
+	accelProgMwSysSendmmsg         = "mw_sys_sendmmsg"
+	accelProgMwSysSendmsg          = "mw_sys_sendmsg"
+	accelProgMwSysSendto           = "mw_sys_sendto"
+	accelProgMwSysSplice           = "mw_sys_splice"
 	accelVarAccelerate             = "accelerate"
 	accelVarInboundCapturePort     = "inbound_capture_port"
 	accelVarObsBoundsNs            = "obs_bounds_ns"
@@ -410,24 +410,24 @@ type accelSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelProgramSpecs struct {
-	MwCloseWatch    *ebpf.ProgramSpec `ebpf:"mw_close_watch"`
-	MwConnectWatch  *ebpf.ProgramSpec `ebpf:"mw_connect_watch"`
-	MwFinOrder      *ebpf.ProgramSpec `ebpf:"mw_fin_order"`
-	MwIoctlWatch    *ebpf.ProgramSpec `ebpf:"mw_ioctl_watch"`
-	MwObsEgress     *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
-	MwObsIngress    *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
-	MwObsRecv       *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
-	MwRecvfromWatch *ebpf.ProgramSpec `ebpf:"mw_recvfrom_watch"`
-	MwRecvmmsgWatch *ebpf.ProgramSpec `ebpf:"mw_recvmmsg_watch"`
-	MwRecvmsgWatch  *ebpf.ProgramSpec `ebpf:"mw_recvmsg_watch"`
-	MwSendmmsgWatch *ebpf.ProgramSpec `ebpf:"mw_sendmmsg_watch"`
-	MwSendmsgWatch  *ebpf.ProgramSpec `ebpf:"mw_sendmsg_watch"`
-	MwSendtoWatch   *ebpf.ProgramSpec `ebpf:"mw_sendto_watch"`
-	MwSetsockopt    *ebpf.ProgramSpec `ebpf:"mw_setsockopt"`
-	MwSkmsg         *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
-	MwSkmsgTap      *ebpf.ProgramSpec `ebpf:"mw_skmsg_tap"`
-	MwSockops       *ebpf.ProgramSpec `ebpf:"mw_sockops"`
-	MwSpliceWatch   *ebpf.ProgramSpec `ebpf:"mw_splice_watch"`
+	MwFinOrder    *ebpf.ProgramSpec `ebpf:"mw_fin_order"`
+	MwObsEgress   *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
+	MwObsIngress  *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
+	MwObsRecv     *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
+	MwSetsockopt  *ebpf.ProgramSpec `ebpf:"mw_setsockopt"`
+	MwSkmsg       *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
+	MwSkmsgTap    *ebpf.ProgramSpec `ebpf:"mw_skmsg_tap"`
+	MwSockops     *ebpf.ProgramSpec `ebpf:"mw_sockops"`
+	MwSysClose    *ebpf.ProgramSpec `ebpf:"mw_sys_close"`
+	MwSysConnect  *ebpf.ProgramSpec `ebpf:"mw_sys_connect"`
+	MwSysIoctl    *ebpf.ProgramSpec `ebpf:"mw_sys_ioctl"`
+	MwSysRecvfrom *ebpf.ProgramSpec `ebpf:"mw_sys_recvfrom"`
+	MwSysRecvmmsg *ebpf.ProgramSpec `ebpf:"mw_sys_recvmmsg"`
+	MwSysRecvmsg  *ebpf.ProgramSpec `ebpf:"mw_sys_recvmsg"`
+	MwSysSendmmsg *ebpf.ProgramSpec `ebpf:"mw_sys_sendmmsg"`
+	MwSysSendmsg  *ebpf.ProgramSpec `ebpf:"mw_sys_sendmsg"`
+	MwSysSendto   *ebpf.ProgramSpec `ebpf:"mw_sys_sendto"`
+	MwSysSplice   *ebpf.ProgramSpec `ebpf:"mw_sys_splice"`
 }
 
 // accelMapSpecs contains maps before they are loaded into the kernel.
@@ -569,46 +569,46 @@ type accelVariables struct {
 //
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelPrograms struct {
-	MwCloseWatch    *ebpf.Program `ebpf:"mw_close_watch"`
-	MwConnectWatch  *ebpf.Program `ebpf:"mw_connect_watch"`
-	MwFinOrder      *ebpf.Program `ebpf:"mw_fin_order"`
-	MwIoctlWatch    *ebpf.Program `ebpf:"mw_ioctl_watch"`
-	MwObsEgress     *ebpf.Program `ebpf:"mw_obs_egress"`
-	MwObsIngress    *ebpf.Program `ebpf:"mw_obs_ingress"`
-	MwObsRecv       *ebpf.Program `ebpf:"mw_obs_recv"`
-	MwRecvfromWatch *ebpf.Program `ebpf:"mw_recvfrom_watch"`
-	MwRecvmmsgWatch *ebpf.Program `ebpf:"mw_recvmmsg_watch"`
-	MwRecvmsgWatch  *ebpf.Program `ebpf:"mw_recvmsg_watch"`
-	MwSendmmsgWatch *ebpf.Program `ebpf:"mw_sendmmsg_watch"`
-	MwSendmsgWatch  *ebpf.Program `ebpf:"mw_sendmsg_watch"`
-	MwSendtoWatch   *ebpf.Program `ebpf:"mw_sendto_watch"`
-	MwSetsockopt    *ebpf.Program `ebpf:"mw_setsockopt"`
-	MwSkmsg         *ebpf.Program `ebpf:"mw_skmsg"`
-	MwSkmsgTap      *ebpf.Program `ebpf:"mw_skmsg_tap"`
-	MwSockops       *ebpf.Program `ebpf:"mw_sockops"`
-	MwSpliceWatch   *ebpf.Program `ebpf:"mw_splice_watch"`
+	MwFinOrder    *ebpf.Program `ebpf:"mw_fin_order"`
+	MwObsEgress   *ebpf.Program `ebpf:"mw_obs_egress"`
+	MwObsIngress  *ebpf.Program `ebpf:"mw_obs_ingress"`
+	MwObsRecv     *ebpf.Program `ebpf:"mw_obs_recv"`
+	MwSetsockopt  *ebpf.Program `ebpf:"mw_setsockopt"`
+	MwSkmsg       *ebpf.Program `ebpf:"mw_skmsg"`
+	MwSkmsgTap    *ebpf.Program `ebpf:"mw_skmsg_tap"`
+	MwSockops     *ebpf.Program `ebpf:"mw_sockops"`
+	MwSysClose    *ebpf.Program `ebpf:"mw_sys_close"`
+	MwSysConnect  *ebpf.Program `ebpf:"mw_sys_connect"`
+	MwSysIoctl    *ebpf.Program `ebpf:"mw_sys_ioctl"`
+	MwSysRecvfrom *ebpf.Program `ebpf:"mw_sys_recvfrom"`
+	MwSysRecvmmsg *ebpf.Program `ebpf:"mw_sys_recvmmsg"`
+	MwSysRecvmsg  *ebpf.Program `ebpf:"mw_sys_recvmsg"`
+	MwSysSendmmsg *ebpf.Program `ebpf:"mw_sys_sendmmsg"`
+	MwSysSendmsg  *ebpf.Program `ebpf:"mw_sys_sendmsg"`
+	MwSysSendto   *ebpf.Program `ebpf:"mw_sys_sendto"`
+	MwSysSplice   *ebpf.Program `ebpf:"mw_sys_splice"`
 }
 
 func (p *accelPrograms) Close() error {
 	return _AccelClose(
-		p.MwCloseWatch,
-		p.MwConnectWatch,
 		p.MwFinOrder,
-		p.MwIoctlWatch,
 		p.MwObsEgress,
 		p.MwObsIngress,
 		p.MwObsRecv,
-		p.MwRecvfromWatch,
-		p.MwRecvmmsgWatch,
-		p.MwRecvmsgWatch,
-		p.MwSendmmsgWatch,
-		p.MwSendmsgWatch,
-		p.MwSendtoWatch,
 		p.MwSetsockopt,
 		p.MwSkmsg,
 		p.MwSkmsgTap,
 		p.MwSockops,
-		p.MwSpliceWatch,
+		p.MwSysClose,
+		p.MwSysConnect,
+		p.MwSysIoctl,
+		p.MwSysRecvfrom,
+		p.MwSysRecvmmsg,
+		p.MwSysRecvmsg,
+		p.MwSysSendmmsg,
+		p.MwSysSendmsg,
+		p.MwSysSendto,
+		p.MwSysSplice,
 	)
 }
 

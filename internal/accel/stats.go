@@ -268,8 +268,8 @@ func (a *Agent) Stats() (Stats, error) {
 	}
 	s.UnfitProcesses, err = readUnfitProcesses(a.objs.MwUnfitProcs)
 	for _, p := range []*ebpf.Program{a.objs.MwSockops, a.objs.MwSkmsg, a.objs.MwSetsockopt, a.objs.MwFinOrder, a.objs.MwObsEgress, a.objs.MwObsIngress, a.objs.MwObsRecv,
-		a.objs.MwSpliceWatch, a.objs.MwRecvfromWatch, a.objs.MwRecvmsgWatch, a.objs.MwRecvmmsgWatch, a.objs.MwSendtoWatch,
-		a.objs.MwSendmsgWatch, a.objs.MwSendmmsgWatch, a.objs.MwCloseWatch, a.objs.MwConnectWatch, a.objs.MwIoctlWatch} {
+		a.objs.MwSysSplice, a.objs.MwSysRecvfrom, a.objs.MwSysRecvmsg, a.objs.MwSysRecvmmsg, a.objs.MwSysSendto,
+		a.objs.MwSysSendmsg, a.objs.MwSysSendmmsg, a.objs.MwSysClose, a.objs.MwSysConnect, a.objs.MwSysIoctl} {
 		if ps, perr := p.Stats(); perr == nil {
 			s.BPFRunSeconds += ps.Runtime.Seconds()
 			s.BPFRuns += ps.RunCount

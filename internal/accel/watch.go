@@ -38,18 +38,18 @@ type UnfitProcess struct {
 // where it leaves out redirected bytes (probe.HaveMsgTotLen).
 func syscallWatches(o *accelObjects) map[string]*ebpf.Program {
 	w := map[string]*ebpf.Program{
-		"sys_enter_splice":   o.MwSpliceWatch,
-		"sys_enter_recvfrom": o.MwRecvfromWatch,
-		"sys_enter_recvmsg":  o.MwRecvmsgWatch,
-		"sys_enter_recvmmsg": o.MwRecvmmsgWatch,
-		"sys_enter_sendto":   o.MwSendtoWatch,
-		"sys_enter_sendmsg":  o.MwSendmsgWatch,
-		"sys_enter_sendmmsg": o.MwSendmmsgWatch,
-		"sys_enter_close":    o.MwCloseWatch,
-		"sys_enter_connect":  o.MwConnectWatch,
+		"sys_enter_splice":   o.MwSysSplice,
+		"sys_enter_recvfrom": o.MwSysRecvfrom,
+		"sys_enter_recvmsg":  o.MwSysRecvmsg,
+		"sys_enter_recvmmsg": o.MwSysRecvmmsg,
+		"sys_enter_sendto":   o.MwSysSendto,
+		"sys_enter_sendmsg":  o.MwSysSendmsg,
+		"sys_enter_sendmmsg": o.MwSysSendmmsg,
+		"sys_enter_close":    o.MwSysClose,
+		"sys_enter_connect":  o.MwSysConnect,
 	}
 	if probe.HaveMsgTotLen() != nil {
-		w["sys_enter_ioctl"] = o.MwIoctlWatch
+		w["sys_enter_ioctl"] = o.MwSysIoctl
 	}
 	return w
 }
