@@ -140,6 +140,13 @@ func epollReader(t *testing.T, r net.Conn, edge bool) ([]byte, bool) {
 					t.Fatalf("read: %v", err)
 				}
 				if m == 0 {
+					// EOF read before an event told of it (the FIN came
+					// while this loop read): epoll must report it now.
+					if !rdhup {
+						if n, _ := unix.EpollWait(ep, evs, 0); n == 1 && evs[0].Events&unix.EPOLLRDHUP != 0 {
+							rdhup = true
+						}
+					}
 					return
 				}
 				got = append(got, buf[:m]...)
