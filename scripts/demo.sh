@@ -14,7 +14,9 @@ fi
 scripts/install-deps.sh
 mkdir -p out
 echo "== building meshwarp" >&2
-go build -o out/meshwarp ./cmd/meshwarp
+# no_tls_fallback: fortio's switch that leaves out a CA bundle parsed at
+# every start (meshwarp makes no TLS calls; docs/BENCHMARKS.md section 11).
+go build -tags no_tls_fallback -o out/meshwarp ./cmd/meshwarp
 out/meshwarp probe
 
 mode=(--quick)
