@@ -5,14 +5,15 @@
  *
  * Attach points: mw_sockops on a cgroup v2 directory (BPF_CGROUP_SOCK_OPS),
  * mw_skmsg on mw_sock_hash (BPF_SK_MSG_VERDICT), mw_skmsg_tap in its place
- * while a tap runs; the programs of learning.h, observe_skb.h and
- * fin_order.h (see there).
- * Kernel: >= 6.10 (sockmap links; we also rely on BPF atomics (5.12),
- * sk_storage in sk_msg and bpf_skc_to_tcp_sock in sock_ops).
+ * while a tap runs; the programs of hints.h (mw_syn_in), learning.h,
+ * observe_skb.h and fin_order.h (see there).
+ * Kernel: >= 6.1 (BPF atomics (5.12), bpf_timer (5.15), sk_storage in sk_msg,
+ * bpf_skc_to_tcp_sock in sock_ops; sockmap links from 6.10, else
+ * BPF_PROG_ATTACH: internal/probe decides per feature).
  * Maps owned (all pinned by name so a restarted agent adopts them):
  *   mw_sock_hash    SOCKHASH  mw_sock_key -> socket
  *   mw_conns        HASH      mw_conn_id  -> mw_conn (the pairing decision)
- *   mw_connecting, mw_src_addr, mw_unhinted   LRU_HASH   who may have a local peer
+ *   mw_connecting, mw_unhinted                LRU_HASH   who may have a local peer
  *   mw_sk_store     SK_STORAGE             mw_sk_state per socket
  *   mw_stats        PERCPU_ARRAY           mw_counters
  *   mw_policy, mw_port_policy, mw_cidr_incl, mw_cidr_excl   policy
@@ -25,7 +26,7 @@
  *   sock.h         reading sockets and contexts, sock_ops callback flags
  *   observe.h      observation in sock_ops and sk_msg; observe_skb.h its
  *                  cgroup_skb and tp_btf programs
- *   hints.h        pairing step 0: who may have a local peer
+ *   hints.h        pairing step 0: who has a local peer (mw_syn_in)
  *   pairing.h      pairing steps 1 and 2 (sock_ops ESTABLISHED)
  *   leave.h        leaving mw_sock_hash for TCP, and the close
  *   tap.h          what mw_skmsg_tap records
@@ -64,19 +65,10 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	__u32 new_state = skops->args[1];
 	__u32 snd_nxt = skops->snd_nxt;
 	__u32 rcv_nxt = skops->rcv_nxt;
+	__u32 snd_una = skops->snd_una;
 	__u32 cb_flags = skops->bpf_sock_ops_cb_flags;
 	struct bpf_sock *sk = skops->sk;
 
-	/*
-	 * RWND_INIT runs for a listener's request socket (sk is NULL: not a full
-	 * socket), and also for a connecting socket (tcp_connect_init), which is
-	 * not a SYN being answered. Never set reply.
-	 */
-	if (op == BPF_SOCK_OPS_RWND_INIT) {
-		if (!sk && accelerate)
-			on_syn(skops);
-		return 1;
-	}
 	if (!sk)
 		return 1;
 	/* Observation first: it may add STATE_CB to the flags the rest sets. */
@@ -84,7 +76,7 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	case BPF_SOCK_OPS_TCP_CONNECT_CB:
 		cb_flags = obs_start(skops, sk, true, cb_flags);
 		if (accelerate)
-			on_connect(skops, cb_flags);
+			on_connect(skops, sk, cb_flags);
 		break;
 	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:
 		obs_established(skops, sk);
@@ -107,7 +99,7 @@ int mw_sockops(struct bpf_sock_ops *skops)
 			break;
 		if (old_state == BPF_TCP_SYN_SENT) {
 			if (accelerate)
-				on_connect_failed(skops);
+				on_connect_failed(skops, snd_una);
 		} else {
 			on_close(sk);
 		}

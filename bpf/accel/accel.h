@@ -122,27 +122,22 @@ struct mw_endpoint {
 	__u32 port_host;
 };
 
-/* A source address (IPv4 as v4-mapped IPv6), for state kept per address. */
-struct mw_addr {
+/*
+ * mw_connecting key: a connecting socket's source address (IPv4 as
+ * v4-mapped IPv6) and its initial sequence number plus one (the first byte's
+ * sequence number: the id's active_isn1). NAT rewrites ports and
+ * destinations, never the sequence number, and a pairable connection keeps
+ * its source address.
+ */
+struct mw_syn_id {
 	__u32 addr[4];
+	__u32 isn1;
 };
 
-/* mw_connecting value: a socket of the cgroup connects from this endpoint. */
+/* mw_connecting value: a socket of the cgroup connects with this SYN. */
 struct mw_connect {
 	__u64 connect_ns;  /* when it sent its SYN (TCP_CONNECT_CB) */
-	__u64 answered_ns; /* when a listener of the cgroup answered a SYN from this endpoint */
-};
-
-/*
- * mw_src_addr value: connects in flight from one source address, and SYNs
- * from that address that listeners of the cgroup answered under a source
- * port no connecting socket uses (NAT remapped the port on the way).
- */
-struct mw_src_addr {
-	__u64 connect_ns;  /* last connect from this address */
-	__u64 remapped_ns; /* last remapped SYN */
-	__u32 in_flight;   /* connects whose SYN no listener of the cgroup answered yet */
-	__u32 remapped;    /* remapped SYNs not yet claimed by their connecting socket */
+	__u64 received_ns; /* when a listener of the cgroup received this SYN */
 };
 
 /*

@@ -40,7 +40,7 @@ const volatile __u32 tcp_mem_slack_pages;
 const volatile __u32 stream_run_msgs;
 const volatile __u32 stream_small_bytes_local;  /* both ends in one netns (loopback) */
 const volatile __u32 stream_small_bytes_remote; /* across namespaces (veth) */
-/* An answered SYN older than this is stale (a SYN-ACK round trip on one node is far shorter). */
+/* A received SYN older than this is stale (a SYN-ACK round trip on one node is far shorter). */
 #define MW_SYN_HINT_TTL_NS (1000ULL * 1000 * 1000)
 /* A connect older than this is not in flight any more (SYN retransmits come at 1 s and 3 s). */
 #define MW_CONNECT_TTL_NS (5000ULL * 1000 * 1000)
@@ -65,26 +65,18 @@ struct {
 } mw_conns SEC(".maps");
 
 /*
- * Step 0 notes, not keyed by netns: the active side may be in another
- * namespace than its listener. They only let a socket join mw_sock_hash; the
- * pairing itself is proven by the sequence numbers (mw_conns), and the timer
- * bounds a wrong note.
+ * Step 0 notes (hints.h), not keyed by netns: the active side may be in
+ * another namespace than its listener. They only let a socket join
+ * mw_sock_hash; the pairing itself is proven by both sequence numbers
+ * (mw_conns), and the timer bounds a wrong note.
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MW_DEFAULT_CAPACITY);
-	__type(key, struct mw_endpoint);
+	__type(key, struct mw_syn_id);
 	__type(value, struct mw_connect);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } mw_connecting SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, MW_DEFAULT_CAPACITY);
-	__type(key, struct mw_addr);
-	__type(value, struct mw_src_addr);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_src_addr SEC(".maps");
 
 /*
  * Connections whose connecting socket found no note (no_local_peer), with

@@ -7,19 +7,15 @@
  * message straight into the peer's receive queue.
  *
  * How a connection is paired (once, never changed):
- *   0. a socket of the cgroup connects (TCP_CONNECT_CB): note its source
- *      endpoint in mw_connecting. A listener of the cgroup answers a SYN
- *      (RWND_INIT, on the request socket, before the SYN-ACK is sent): if a
- *      connecting socket uses the SYN's source endpoint, mark it answered;
- *      else, if a socket of the cgroup is connecting from the SYN's source
- *      address, NAT remapped the source port: count a remapped SYN for that
- *      address (mw_src_addr). Neither means no local peer in the cgroup (a
- *      remote host, a server outside the cgroup): such sockets never join
- *      mw_sock_hash. The listener cannot read the SYN's sequence number, so
- *      these notes only decide who joins; the pairing is proven in step 2.
+ *   0. a socket of the cgroup connects (TCP_CONNECT_CB): note its SYN by
+ *      source address and sequence number in mw_connecting; a listener of
+ *      the cgroup receives a SYN (mw_syn_in): mark its note received. No
+ *      note received means no local peer in the cgroup (a remote host, a
+ *      server outside the cgroup): such sockets never join mw_sock_hash.
+ *      The notes only decide who joins; the pairing is proven in step 2.
  *      (hints.h)
- *   1. active side ESTABLISHED: if its SYN was answered, or it claims one
- *      remapped SYN of its address, create mw_conns[id] = PENDING, join
+ *   1. active side ESTABLISHED: if a listener of the cgroup received its
+ *      SYN, create mw_conns[id] = PENDING, join
  *      mw_sock_hash, arm the unpaired timer.
  *   2. passive side ESTABLISHED: if mw_conns[id] is PENDING (both initial
  *      sequence numbers match) and the active side's address is our remote
@@ -226,7 +222,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 
 	sockops_tuple(skops, &t);
 	/* Consume the connect's notes first, whatever happens next. */
-	hinted = take_syn_hint(&t.local);
+	hinted = take_syn_hint(&t.local, snd_nxt);
 	reason = socket_unfit(sk);
 	if (!reason && wrote_early(sk, snd_nxt))
 		reason = MW_REASON_EARLY_DATA;
@@ -326,8 +322,7 @@ static __always_inline __u32 classify_hop(__u32 passive_local_port, const struct
  * Both ends of this connection are in the cgroup, but its connecting socket
  * found no note (no_local_peer) and stayed off: re-count it under the
  * precise reason. The source address differs when SNAT rewrote it; else the
- * note was lost (a remapped port whose SYN another socket claimed, an
- * evicted or late note).
+ * note was lost (evicted, or late).
  */
 static __always_inline void missed_local_peer(const struct mw_conn_id *id, const struct mw_endpoint *remote)
 {

@@ -13,11 +13,6 @@ import (
 	"github.com/cilium/ebpf"
 )
 
-type accelMwAddr struct {
-	_    structs.HostLayout
-	Addr [4]uint32
-}
-
 type accelMwCidrKey struct {
 	_         structs.HostLayout
 	Prefixlen uint32
@@ -70,7 +65,7 @@ type accelMwConnId struct {
 type accelMwConnect struct {
 	_          structs.HostLayout
 	ConnectNs  uint64
-	AnsweredNs uint64
+	ReceivedNs uint64
 }
 
 type accelMwCounters struct {
@@ -252,12 +247,10 @@ type accelMwSockKey struct {
 	Pad          uint32
 }
 
-type accelMwSrcAddr struct {
-	_          structs.HostLayout
-	ConnectNs  uint64
-	RemappedNs uint64
-	InFlight   uint32
-	Remapped   uint32
+type accelMwSynId struct {
+	_    structs.HostLayout
+	Addr [4]uint32
+	Isn1 uint32
 }
 
 type accelMwTapBuf struct {
@@ -324,7 +317,6 @@ const (
 	accelMapMwPortPolicy           = "mw_port_policy"
 	accelMapMwSkStore              = "mw_sk_store"
 	accelMapMwSockHash             = "mw_sock_hash"
-	accelMapMwSrcAddr              = "mw_src_addr"
 	accelMapMwStats                = "mw_stats"
 	accelMapMwTapCounters          = "mw_tap_counters"
 	accelMapMwTapRing              = "mw_tap_ring"
@@ -341,6 +333,7 @@ const (
 	accelProgMwSkmsg               = "mw_skmsg"
 	accelProgMwSkmsgTap            = "mw_skmsg_tap"
 	accelProgMwSockops             = "mw_sockops"
+	accelProgMwSynIn               = "mw_syn_in"
 	accelProgMwSysClose            = "mw_sys_close"
 	accelProgMwSysConnect          = "mw_sys_connect"
 	accelProgMwSysIoctl            = "mw_sys_ioctl"
@@ -418,6 +411,7 @@ type accelProgramSpecs struct {
 	MwSkmsg       *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
 	MwSkmsgTap    *ebpf.ProgramSpec `ebpf:"mw_skmsg_tap"`
 	MwSockops     *ebpf.ProgramSpec `ebpf:"mw_sockops"`
+	MwSynIn       *ebpf.ProgramSpec `ebpf:"mw_syn_in"`
 	MwSysClose    *ebpf.ProgramSpec `ebpf:"mw_sys_close"`
 	MwSysConnect  *ebpf.ProgramSpec `ebpf:"mw_sys_connect"`
 	MwSysIoctl    *ebpf.ProgramSpec `ebpf:"mw_sys_ioctl"`
@@ -445,7 +439,6 @@ type accelMapSpecs struct {
 	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
 	MwSockHash    *ebpf.MapSpec `ebpf:"mw_sock_hash"`
-	MwSrcAddr     *ebpf.MapSpec `ebpf:"mw_src_addr"`
 	MwStats       *ebpf.MapSpec `ebpf:"mw_stats"`
 	MwTapCounters *ebpf.MapSpec `ebpf:"mw_tap_counters"`
 	MwTapRing     *ebpf.MapSpec `ebpf:"mw_tap_ring"`
@@ -508,7 +501,6 @@ type accelMaps struct {
 	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
 	MwSockHash    *ebpf.Map `ebpf:"mw_sock_hash"`
-	MwSrcAddr     *ebpf.Map `ebpf:"mw_src_addr"`
 	MwStats       *ebpf.Map `ebpf:"mw_stats"`
 	MwTapCounters *ebpf.Map `ebpf:"mw_tap_counters"`
 	MwTapRing     *ebpf.Map `ebpf:"mw_tap_ring"`
@@ -532,7 +524,6 @@ func (m *accelMaps) Close() error {
 		m.MwPortPolicy,
 		m.MwSkStore,
 		m.MwSockHash,
-		m.MwSrcAddr,
 		m.MwStats,
 		m.MwTapCounters,
 		m.MwTapRing,
@@ -577,6 +568,7 @@ type accelPrograms struct {
 	MwSkmsg       *ebpf.Program `ebpf:"mw_skmsg"`
 	MwSkmsgTap    *ebpf.Program `ebpf:"mw_skmsg_tap"`
 	MwSockops     *ebpf.Program `ebpf:"mw_sockops"`
+	MwSynIn       *ebpf.Program `ebpf:"mw_syn_in"`
 	MwSysClose    *ebpf.Program `ebpf:"mw_sys_close"`
 	MwSysConnect  *ebpf.Program `ebpf:"mw_sys_connect"`
 	MwSysIoctl    *ebpf.Program `ebpf:"mw_sys_ioctl"`
@@ -599,6 +591,7 @@ func (p *accelPrograms) Close() error {
 		p.MwSkmsg,
 		p.MwSkmsgTap,
 		p.MwSockops,
+		p.MwSynIn,
 		p.MwSysClose,
 		p.MwSysConnect,
 		p.MwSysIoctl,

@@ -16,13 +16,12 @@ import (
 )
 
 // Admission: a socket joins the data path only with evidence of a local
-// peer. The hardest evidence to get right is a "remapped SYN": a listener of
-// the cgroup answers a SYN from an address where a socket of the cgroup has
-// a connect in flight, under another source port (NAT remapped it). A client
-// outside the cgroup, connecting from the same address at that moment,
-// looks the same; the cgroup socket whose connect (to a server outside the
-// cgroup) completes next may take its SYN for its own. Whatever the agent
-// believed, neither connection may show a difference: FIONREAD, reads and
+// peer: a listener of the cgroup received its own SYN (same source address
+// and sequence number; NAT may have remapped the port). A client outside
+// the cgroup, connecting to a cgroup listener from the same address while a
+// cgroup socket's connect to a server outside the cgroup is in flight, must
+// not lend its SYN to that socket: the cgroup socket stays out of the
+// SOCKHASH, and neither connection shows a difference: FIONREAD, reads and
 // writes are plain TCP's on all four sockets.
 
 func rawListen(t *testing.T, backlog int) (fd int, addr *unix.SockaddrInet4) {
@@ -175,6 +174,12 @@ func TestPrivilegedAdmissionOutsideClientDuringConnect(t *testing.T) {
 		d := stats(t, a).Sub(before)
 		if d.RedirectedMessages != 0 {
 			t.Fatalf("%d messages redirected between sockets without a local peer", d.RedirectedMessages)
+		}
+		// The cgroup's client has no local peer: it is kept out of the
+		// SOCKHASH from the start (no_local_peer), never let in and taken
+		// out again (no_peer, unpaired_timeout).
+		if got := nonZero(d.RemovedSockets); len(got) != 1 || got["no_local_peer"] != 1 {
+			t.Fatalf("sockets kept off or taken out of the SOCKHASH: %v, want only the cgroup's client, kept off as no_local_peer", got)
 		}
 		t.Logf("left to TCP: %v; removed: %v", nonZero(d.PassthroughConnections), nonZero(d.RemovedSockets))
 	})

@@ -38,10 +38,8 @@ type Agent struct {
 	logger  *slog.Logger
 	objs    accelObjects
 	sockops link.Link
-	// sockopt sees the cgroup's setsockopt calls (bpf/accel/learning.h).
-	sockopt link.Link
-	// fin keeps a FIN behind its socket's redirected bytes (bpf/accel/fin_order.h).
-	fin   link.Link
+	// hooks are the cgroup hooks beside sock_ops (cgroupHooks), pinned.
+	hooks []link.Link
 	skmsg link.Link
 	// obs are the observation's links (cgroup_skb egress and ingress, and the read
 	// tracepoint with Config.ObserveReads), pinned like the rest.
@@ -205,31 +203,16 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	sockops := a.sockops
 	undo = append(undo, func() { sockops.Close() })
 
-	a.sockopt, err = attachOrUpdate(filepath.Join(cfg.PinDir, SockoptLinkPin), a.objs.MwSetsockopt, func() (link.Link, error) {
-		return link.AttachCgroup(link.CgroupOptions{
-			Path:    cfg.CgroupPath,
-			Attach:  ebpf.AttachCGroupSetsockopt,
-			Program: a.objs.MwSetsockopt,
-		})
-	}, func(l link.Link) error { return sameCgroup(l, cfg.CgroupPath) })
-	if err != nil {
-		return nil, fmt.Errorf("attach cgroup setsockopt to %s: %w", cfg.CgroupPath, err)
+	for _, h := range cgroupHooks(&a.objs) {
+		l, err := attachOrUpdate(filepath.Join(cfg.PinDir, h.pin), h.prog, func() (link.Link, error) {
+			return link.AttachCgroup(link.CgroupOptions{Path: cfg.CgroupPath, Attach: h.attach, Program: h.prog})
+		}, func(l link.Link) error { return sameCgroup(l, cfg.CgroupPath) })
+		if err != nil {
+			return nil, fmt.Errorf("attach %s to %s: %w", h.what, cfg.CgroupPath, err)
+		}
+		a.hooks = append(a.hooks, l)
+		undo = append(undo, func() { l.Close() })
 	}
-	sockopt := a.sockopt
-	undo = append(undo, func() { sockopt.Close() })
-
-	a.fin, err = attachOrUpdate(filepath.Join(cfg.PinDir, FinLinkPin), a.objs.MwFinOrder, func() (link.Link, error) {
-		return link.AttachCgroup(link.CgroupOptions{
-			Path:    cfg.CgroupPath,
-			Attach:  ebpf.AttachCGroupInetEgress,
-			Program: a.objs.MwFinOrder,
-		})
-	}, func(l link.Link) error { return sameCgroup(l, cfg.CgroupPath) })
-	if err != nil {
-		return nil, fmt.Errorf("attach cgroup egress (FIN order) to %s: %w", cfg.CgroupPath, err)
-	}
-	fin := a.fin
-	undo = append(undo, func() { fin.Close() })
 
 	if err := a.attachObservation(); err != nil {
 		return nil, err

@@ -238,12 +238,33 @@ func fillAndDrain(t *testing.T, client, server net.Conn) {
 	pingPong(t, client, server)
 }
 
+// unlearnedListener listens on a loopback port the agent has not learned
+// for an earlier row (a port is reused once its listener closed, and a
+// learned port keeps later connections on TCP by design).
+func unlearnedListener(t *testing.T, a *Agent) net.Listener {
+	t.Helper()
+	for range 100 {
+		ln := mustListen(t, "127.0.0.1:0")
+		if a == nil {
+			return ln
+		}
+		port := uint32(ln.Addr().(*net.TCPAddr).Port)
+		var reason uint32
+		if a.objs.MwUnfitLport.Lookup(&port, &reason) != nil && a.objs.MwUnfitRport.Lookup(&port, &reason) != nil {
+			return ln
+		}
+		defer ln.Close() // held until a fresh port is found, so it is not handed out again
+	}
+	t.Fatal("no loopback port the agent has not learned in 100 tries")
+	return nil
+}
+
 // compatConn brings a connection to moment m and returns the writer and
 // reader of row; with the agent, it requires that the moment happened
 // (paired, switched, backpressure).
 func compatConn(t *testing.T, a *Agent, row compatRow, m compatMoment) (w, r net.Conn) {
 	t.Helper()
-	ln := mustListen(t, "127.0.0.1:0")
+	ln := unlearnedListener(t, a)
 	t.Cleanup(func() { ln.Close() })
 	d := net.Dialer{}
 	if m == momentFirst && row.hasOption() {

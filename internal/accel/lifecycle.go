@@ -28,11 +28,8 @@ func (a *Agent) Close() error {
 	if a.sockops != nil {
 		errs = append(errs, a.sockops.Close())
 	}
-	if a.sockopt != nil {
-		errs = append(errs, a.sockopt.Close())
-	}
-	if a.fin != nil {
-		errs = append(errs, a.fin.Close())
+	for _, l := range a.hooks {
+		errs = append(errs, l.Close())
 	}
 	if a.skmsg != nil {
 		errs = append(errs, a.skmsg.Close())
@@ -67,14 +64,10 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 		errs = append(errs, a.sockops.Unpin(), a.sockops.Close())
 		a.sockops = nil
 	}
-	if a.sockopt != nil {
-		errs = append(errs, a.sockopt.Unpin(), a.sockopt.Close())
-		a.sockopt = nil
+	for _, l := range a.hooks {
+		errs = append(errs, l.Unpin(), l.Close())
 	}
-	if a.fin != nil {
-		errs = append(errs, a.fin.Unpin(), a.fin.Close())
-		a.fin = nil
-	}
+	a.hooks = nil
 	if a.skmsg != nil {
 		errs = append(errs, a.skmsg.Unpin(), a.skmsg.Close())
 		a.skmsg = nil

@@ -26,6 +26,7 @@ const (
 	SockopsLinkPin    = "mw_sockops_link"     // mw_sockops on the cgroup
 	SockoptLinkPin    = "mw_sockopt_link"     // mw_setsockopt on the cgroup
 	FinLinkPin        = "mw_fin_link"         // mw_fin_order on the cgroup
+	SynLinkPin        = "mw_syn_link"         // mw_syn_in on the cgroup
 	SkmsgLinkPin      = "mw_skmsg_link"       // mw_skmsg on mw_sock_hash (mw_skmsg_tap while a tap runs)
 	ObsEgressLinkPin  = "mw_obs_egress_link"  // mw_obs_egress on the cgroup (--observe)
 	ObsIngressLinkPin = "mw_obs_ingress_link" // mw_obs_ingress on the cgroup (--observe)
@@ -33,7 +34,7 @@ const (
 )
 
 // linkPins are every link meshwarp pins, in the order they are removed.
-var linkPins = []string{SockopsLinkPin, SockoptLinkPin, FinLinkPin, SkmsgLinkPin, ObsEgressLinkPin, ObsIngressLinkPin, ObsRecvLinkPin}
+var linkPins = []string{SockopsLinkPin, SockoptLinkPin, FinLinkPin, SynLinkPin, SkmsgLinkPin, ObsEgressLinkPin, ObsIngressLinkPin, ObsRecvLinkPin}
 
 // preparePinDir makes sure dir exists on a bpf filesystem and is writable.
 func preparePinDir(dir string) (created bool, err error) {
@@ -118,4 +119,23 @@ func mapNames() []string {
 		}
 	}
 	return names
+}
+
+// cgroupHook is a program the agent attaches to its cgroup beside mw_sockops.
+type cgroupHook struct {
+	pin    string
+	prog   *ebpf.Program
+	attach ebpf.AttachType
+	what   string
+}
+
+// cgroupHooks are the cgroup hooks of the data path, in attach order: the
+// SYN notes before any socket may need them (bpf/accel/hints.h), setsockopt
+// learning (learning.h), the FIN order (fin_order.h).
+func cgroupHooks(o *accelObjects) []cgroupHook {
+	return []cgroupHook{
+		{SynLinkPin, o.MwSynIn, ebpf.AttachCGroupInetIngress, "cgroup ingress (SYN notes)"},
+		{SockoptLinkPin, o.MwSetsockopt, ebpf.AttachCGroupSetsockopt, "cgroup setsockopt"},
+		{FinLinkPin, o.MwFinOrder, ebpf.AttachCGroupInetEgress, "cgroup egress (FIN order)"},
+	}
 }

@@ -210,18 +210,30 @@ func combineMap(a, b map[string]uint64, op func(a, b uint64) uint64) map[string]
 // socket-to-socket until they close, and the kernel takes each socket out
 // of the map when it closes, so the count is exact (counters are not: with
 // sock_ops detached, no close is counted any more). The map pinned at
-// pinDir, if any, is skipped.
+// pinDir, if any, is skipped, and so is the map of any data path whose
+// mw_sockops is still loaded (a live agent with another pin directory).
 func DetachedSockets(pinDir string) (uint64, error) {
-	var pinnedID ebpf.MapID
+	live := map[ebpf.MapID]bool{}
 	if m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwSockHash), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
 		if info, err := m.Info(); err == nil {
-			pinnedID, _ = info.ID()
+			id, _ := info.ID()
+			live[id] = true
 		}
 		m.Close()
 	}
+	EachProgram(func(_ ebpf.ProgramID, p *ebpf.Program) {
+		info, err := p.Info()
+		if err != nil || info.Name != accelProgMwSockops {
+			return
+		}
+		ids, _ := info.MapIDs()
+		for _, id := range ids {
+			live[id] = true
+		}
+	})
 	var open uint64
 	for id, err := ebpf.MapGetNextID(0); err == nil; id, err = ebpf.MapGetNextID(id) {
-		if id == pinnedID {
+		if live[id] {
 			continue
 		}
 		m, err := ebpf.NewMapFromID(id)
@@ -267,7 +279,7 @@ func (a *Agent) Stats() (Stats, error) {
 		return s, err
 	}
 	s.UnfitProcesses, err = readUnfitProcesses(a.objs.MwUnfitProcs)
-	for _, p := range []*ebpf.Program{a.objs.MwSockops, a.objs.MwSkmsg, a.objs.MwSetsockopt, a.objs.MwFinOrder, a.objs.MwObsEgress, a.objs.MwObsIngress, a.objs.MwObsRecv,
+	for _, p := range []*ebpf.Program{a.objs.MwSockops, a.objs.MwSkmsg, a.objs.MwSetsockopt, a.objs.MwFinOrder, a.objs.MwSynIn, a.objs.MwObsEgress, a.objs.MwObsIngress, a.objs.MwObsRecv,
 		a.objs.MwSysSplice, a.objs.MwSysRecvfrom, a.objs.MwSysRecvmsg, a.objs.MwSysRecvmmsg, a.objs.MwSysSendto,
 		a.objs.MwSysSendmsg, a.objs.MwSysSendmmsg, a.objs.MwSysClose, a.objs.MwSysConnect, a.objs.MwSysIoctl} {
 		if ps, perr := p.Stats(); perr == nil {
