@@ -50,20 +50,18 @@ int mw_syn_in(struct __sk_buff *skb)
 	struct mw_connect *c;
 	__u32 off;
 	__u8 *tcp = skb_tcp_header(skb, &off);
+	bool v6;
 
-	if (!tcp || (tcp[13] & (MW_TCP_SYN | MW_TCP_ACK)) != MW_TCP_SYN)
+	if (!tcp || (tcp[13] & (MW_TCP_SYN | MW_TCP_ACK)) != MW_TCP_SYN || data + 40 > data_end)
 		return 1;
-	if (data + 1 > data_end)
+	/* The hook runs for every protocol: TCP only (IPv4 protocol, IPv6 next header). */
+	v6 = *(__u8 *)data >> 4 == 6;
+	if (*(__u8 *)(data + (v6 ? 6 : 9)) != IPPROTO_TCP)
 		return 1;
-	if (*(__u8 *)data >> 4 == 6) {
-		if (data + 24 > data_end)
-			return 1;
+	if (v6)
 		__builtin_memcpy(id.addr, data + 8, sizeof(id.addr));
-	} else {
-		if (data + 16 > data_end)
-			return 1;
+	else
 		set_v4_mapped(id.addr, *(__u32 *)(data + 12));
-	}
 	id.isn1 = bpf_ntohl(*(__u32 *)(tcp + 4)) + 1;
 	c = bpf_map_lookup_elem(&mw_connecting, &id);
 	if (c && bpf_ktime_get_ns() - c->connect_ns < MW_CONNECT_TTL_NS)
