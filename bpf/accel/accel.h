@@ -321,7 +321,7 @@ struct mw_sk_state {
 	__u32 hop;
 	__u32 owns_conn; /* this socket created the mw_conns entry and deletes it on close */
 	__u32 paired;    /* counted in sockets_paired; sticks when decision later changes */
-	__u32 _pad;
+	__u32 credit;    /* bytes it may still redirect before reading its peer's backlog again (redirect.h) */
 	__u64 peer_sk;   /* the peer's struct sock address (see struct mw_conn) */
 	__u64 sent;      /* bytes this socket redirected: its stream offset (the tap's sequence numbers) */
 	__u64 run_bytes; /* bytes of this socket's messages since its peer last sent */

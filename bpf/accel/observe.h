@@ -304,7 +304,8 @@ static __always_inline void obs_peer_bytes(struct mw_obs_sock *o, struct mw_conn
  * other socket. Both points of the connection record it, with one duration
  * (the redirect has no transit of its own to measure).
  */
-static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *st, struct mw_conn *c, __u32 size)
+static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *st, struct mw_conn *c, __u32 size,
+				    __u64 coarse_now)
 {
 	struct mw_obs_sock *o = bpf_sk_storage_get(&mw_obs_store, msg->sk, 0, 0);
 	__u32 kind = MW_HTTP_NONE, method = MW_METHOD_OTHER, status = 0;
@@ -316,8 +317,8 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 
 	if (!o)
 		return; /* established before observation started */
-	o->accelerated = 1;
-	now = bpf_ktime_get_ns();
+	if (!o->accelerated)
+		o->accelerated = 1;
 	if (size >= MW_OBS_PEEK) {
 		data = (void *)(long)msg->data;
 		end = (void *)(long)msg->data_end;
@@ -332,6 +333,8 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 		}
 		kind = http_start(buf, &method, &status);
 	}
+	/* The precise clock only for an exchange's duration; the flush needs no more than the coarse one. */
+	now = kind == MW_HTTP_NONE ? coarse_now : bpf_ktime_get_ns();
 	if (kind == MW_HTTP_REQUEST) {
 		obs_app_request(o, method, now);
 		c->obs.req_role = st->role;

@@ -113,6 +113,29 @@ static __always_inline bool switch_point(struct mw_conn *c, struct mw_sk_state *
 }
 
 /*
+ * Whether redirecting size more bytes would leave the peer more than
+ * redirect_budget_bytes unread. Only this socket fills the peer's redirect
+ * queue and only its reader empties it, so the budget left at the last read
+ * of the peer's backlog (st->credit) is a lower bound of what is left now:
+ * the backlog (probe reads through the peer) is read again only when a
+ * message needs more than that.
+ */
+static __always_inline bool over_budget(struct mw_sk_state *st, __u32 size)
+{
+	__u32 backlog;
+
+	if (size <= st->credit) {
+		st->credit -= size;
+		return false;
+	}
+	backlog = peer_backlog(st->peer_sk);
+	if (backlog + size > redirect_budget_bytes)
+		return true;
+	st->credit = redirect_budget_bytes - backlog - size;
+	return false;
+}
+
+/*
  * Whether this message ends a small-message stream: stream_run_msgs messages
  * since the peer last sent, averaging below the path's threshold.
  */
@@ -158,6 +181,7 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 	if (st->decision == MW_CONN_PAIRED) {
 		__u32 hop = st->hop;
 		__u32 state = sk->state;
+		__u64 now = bpf_ktime_get_coarse_ns();
 
 		/*
 		 * After shutdown(SHUT_WR) (FIN_WAIT*, LAST_ACK, ...) TCP refuses the
@@ -184,8 +208,7 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 		if (c && c->to_tcp && switch_point(c, st, sk)) {
 			/* Asked by either side; until a switch point, keep redirecting. */
 			to_tcp(st, c, c->to_tcp_reason, MW_DIR_DRAINED);
-		} else if (peer_backlog(st->peer_sk) + size > redirect_budget_bytes ||
-			   tcp_memory_tight(st->peer_sk, size)) {
+		} else if (over_budget(st, size) || tcp_memory_tight(sk, size, now)) {
 			/*
 			 * A one-way stream (the peer never redirected) goes to TCP as a
 			 * whole, so that its sockets can leave (unless streams are to
@@ -206,9 +229,9 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 			if (tap)
 				tap_record(msg, st, size);
 			if (observe && c)
-				obs_msg(msg, st, c, size);
+				obs_msg(msg, st, c, size, now);
 			st->sent += size;
-			st->redir_ns = bpf_ktime_get_coarse_ns();
+			st->redir_ns = now;
 			if (cnt) {
 				cnt->redirected_msgs++;
 				cnt->redirected_bytes += size;

@@ -170,29 +170,41 @@ static __always_inline __u32 peer_backlog(__u64 peer_sk)
 	return peer_sk ? redirect_backlog((struct sock *)peer_sk) : 0;
 }
 
+/* tcp_mem[1] (pages) as last read, and when (coarse clock): the sysctl rarely changes. */
+#define MW_TCP_MEM_REREAD_NS (100 * 1000 * 1000ULL)
+static long tcp_mem_pressure_pages;
+static __u64 tcp_mem_read_ns;
+
 /*
  * Whether the node's TCP memory, with size more bytes and the per-CPU
  * reserves it may not show yet (tcp_mem_slack_pages), reaches its pressure
  * threshold (tcp_mem[1], in pages). Beyond it the redirect's receive charge
  * (bpf_tcp_ingress: __sk_rmem_schedule) may fail, and the writer would get
  * ENOMEM where TCP makes it wait; below it the charge cannot fail. All TCP
- * sockets share one account (tcp_prot and tcpv6_prot alike), read through
- * the peer as redirect_backlog reads it.
+ * sockets share one account (tcp_prot and tcpv6_prot alike), read here
+ * through the writer's own socket: BTF loads, no helper calls, on the
+ * per-message path.
  */
-static __always_inline bool tcp_memory_tight(__u64 peer_sk, __u32 size)
+static __always_inline bool tcp_memory_tight(struct bpf_sock *sk, __u32 size, __u64 now)
 {
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
 	struct proto *prot;
-	long allocated, *limits, pressure_pages = 0;
+	long *limits, limit;
 
-	if (!peer_sk)
+	if (!tp)
 		return false;
-	prot = BPF_CORE_READ((struct sock *)peer_sk, __sk_common.skc_prot);
-	allocated = BPF_CORE_READ(prot, memory_allocated, counter);
-	limits = BPF_CORE_READ(prot, sysctl_mem);
-	if (!limits || bpf_core_read(&pressure_pages, sizeof(pressure_pages), &limits[1]))
+	prot = tp->inet_conn.icsk_inet.sk.__sk_common.skc_prot;
+	if (now - tcp_mem_read_ns > MW_TCP_MEM_REREAD_NS) {
+		limits = BPF_CORE_READ(prot, sysctl_mem);
+		if (limits && !bpf_core_read(&limit, sizeof(limit), &limits[1])) {
+			tcp_mem_pressure_pages = limit;
+			tcp_mem_read_ns = now;
+		}
+	}
+	if (!tcp_mem_pressure_pages)
 		return false;
 	/* size in 4 KiB pages: an overestimate where pages are larger */
-	return allocated + (size >> 12) + 1 + tcp_mem_slack_pages >= pressure_pages;
+	return prot->memory_allocated->counter + (size >> 12) + 1 + tcp_mem_slack_pages >= tcp_mem_pressure_pages;
 }
 
 /* dir[] index of a role. */

@@ -229,7 +229,7 @@ type accelMwSkState struct {
 	Hop      uint32
 	OwnsConn uint32
 	Paired   uint32
-	Pad      uint32
+	Credit   uint32
 	_        [4]byte
 	PeerSk   uint64
 	Sent     uint64

@@ -245,7 +245,7 @@ var compatRows = []compatRow{
 }
 
 // acceptedPair dials ln and returns both ends (paired or not).
-func acceptedPair(t *testing.T, ln net.Listener, dial func() (net.Conn, error)) (client, server net.Conn) {
+func acceptedPair(t testing.TB, ln net.Listener, dial func() (net.Conn, error)) (client, server net.Conn) {
 	t.Helper()
 	acc := make(chan net.Conn, 1)
 	go func() {

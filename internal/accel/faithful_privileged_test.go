@@ -24,7 +24,7 @@ import (
 
 // pairedConn dials a listener of the test's cgroup and returns both ends;
 // with the agent it requires that they are paired.
-func pairedConn(t *testing.T, a *Agent, ln net.Listener, dial func() (net.Conn, error)) (client, server net.Conn) {
+func pairedConn(t testing.TB, a *Agent, ln net.Listener, dial func() (net.Conn, error)) (client, server net.Conn) {
 	t.Helper()
 	var before Stats
 	if a != nil {

@@ -12,12 +12,12 @@ import (
 
 // startAgent is testutil.StartAgent for cfg: by default a throwaway agent
 // on a throwaway cgroup that this test process has joined, uninstalled on cleanup.
-func startAgent(t *testing.T, cfg Config) *Agent {
+func startAgent(t testing.TB, cfg Config) *Agent {
 	t.Helper()
 	return testutil.StartAgent(t, &cfg.CgroupPath, &cfg.PinDir, func() (*Agent, error) { return Start(cfg, nil) })
 }
 
-func stats(t *testing.T, a *Agent) Stats {
+func stats(t testing.TB, a *Agent) Stats {
 	t.Helper()
 	s, err := a.Stats()
 	if err != nil {

@@ -204,7 +204,7 @@ func checkNewConnections(t *testing.T, dial func() (net.Conn, error), when strin
 	}
 }
 
-func mustListen(t *testing.T, addr string) net.Listener {
+func mustListen(t testing.TB, addr string) net.Listener {
 	t.Helper()
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {

@@ -58,7 +58,7 @@ func inq(c net.Conn) (int, error) {
 }
 
 // socketCookie is SO_COOKIE, the value the SOCKHASH holds for a socket.
-func socketCookie(t *testing.T, c net.Conn) uint64 {
+func socketCookie(t testing.TB, c net.Conn) uint64 {
 	t.Helper()
 	rc, err := c.(syscall.Conn).SyscallConn()
 	if err != nil {
@@ -180,7 +180,7 @@ func exchange(t *testing.T, ln net.Listener, ns *testutil.Netns, tc exchangeCase
 	return client, a.c
 }
 
-func sockhashCookies(t *testing.T, a *Agent) []uint64 {
+func sockhashCookies(t testing.TB, a *Agent) []uint64 {
 	t.Helper()
 	cookies, err := a.SockhashCookies()
 	if err != nil {
