@@ -190,6 +190,18 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 		undo = append(undo, func() { skmsg.Close() })
 	}
 
+	// Before sock_ops: a connect it notes must find its SYN seen (hints.h).
+	for _, h := range cgroupHooks(&a.objs) {
+		l, err := attachOrUpdate(filepath.Join(cfg.PinDir, h.pin), h.prog, func() (link.Link, error) {
+			return link.AttachCgroup(link.CgroupOptions{Path: cfg.CgroupPath, Attach: h.attach, Program: h.prog})
+		}, func(l link.Link) error { return sameCgroup(l, cfg.CgroupPath) })
+		if err != nil {
+			return nil, fmt.Errorf("attach %s to %s: %w", h.what, cfg.CgroupPath, err)
+		}
+		a.hooks = append(a.hooks, l)
+		undo = append(undo, func() { l.Close() })
+	}
+
 	a.sockops, err = attachOrUpdate(filepath.Join(cfg.PinDir, SockopsLinkPin), a.objs.MwSockops, func() (link.Link, error) {
 		return link.AttachCgroup(link.CgroupOptions{
 			Path:    cfg.CgroupPath,
@@ -202,17 +214,6 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	}
 	sockops := a.sockops
 	undo = append(undo, func() { sockops.Close() })
-
-	for _, h := range cgroupHooks(&a.objs) {
-		l, err := attachOrUpdate(filepath.Join(cfg.PinDir, h.pin), h.prog, func() (link.Link, error) {
-			return link.AttachCgroup(link.CgroupOptions{Path: cfg.CgroupPath, Attach: h.attach, Program: h.prog})
-		}, func(l link.Link) error { return sameCgroup(l, cfg.CgroupPath) })
-		if err != nil {
-			return nil, fmt.Errorf("attach %s to %s: %w", h.what, cfg.CgroupPath, err)
-		}
-		a.hooks = append(a.hooks, l)
-		undo = append(undo, func() { l.Close() })
-	}
 
 	if err := a.attachObservation(); err != nil {
 		return nil, err
