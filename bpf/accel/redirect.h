@@ -179,7 +179,6 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 
 	cnt = counters();
 	if (st->decision == MW_CONN_PAIRED) {
-		__u32 hop = st->hop;
 		__u32 state = sk->state;
 		__u64 now = bpf_ktime_get_coarse_ns();
 
@@ -233,6 +232,9 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 			st->sent += size;
 			st->redir_ns = now;
 			if (cnt) {
+				/* Read here, not kept across the calls above: 6.1's verifier loses the bound of a spilled index. */
+				__u32 hop = st->hop;
+
 				cnt->redirected_msgs++;
 				cnt->redirected_bytes += size;
 				if (hop < MW_HOP_MAX) {
