@@ -67,7 +67,7 @@ type IntegrityOptions struct {
 	Messages int           // writes per connection (the minimum when Stop is set)
 	MaxSize  int           // each write is 1..MaxSize bytes
 	Seed     uint64        // payloads are reproducible
-	Timeout  time.Duration // per connection; a hang is a failure
+	Timeout  time.Duration // how long a connection may make no progress: a hang is a failure
 	// Stop, when set, keeps every connection writing until it is closed
 	// (streams under load while something else happens).
 	Stop <-chan struct{}
@@ -153,7 +153,6 @@ func oneConn(dial func() (net.Conn, error), opts IntegrityOptions, idx int) (sen
 		return 0, 0, false, fmt.Errorf("dial: %w", err)
 	}
 	defer c.Close()
-	c.SetDeadline(time.Now().Add(opts.Timeout))
 
 	type readResult struct {
 		n    int64
@@ -169,6 +168,7 @@ func oneConn(dial func() (net.Conn, error), opts IntegrityOptions, idx int) (sen
 		var r readResult
 		r.same = true
 		for {
+			c.SetReadDeadline(time.Now().Add(opts.Timeout))
 			n, err := c.Read(buf)
 			got := buf[:n]
 			r.n += int64(n)
@@ -212,6 +212,7 @@ func oneConn(dial func() (net.Conn, error), opts IntegrityOptions, idx int) (sen
 	}
 	for m := 0; werr == nil && !finished(m); m++ {
 		b := gen.next()
+		c.SetWriteDeadline(time.Now().Add(opts.Timeout))
 		_, werr = c.Write(b)
 		sent += int64(len(b))
 		if m == 0 && opts.Started != nil {
