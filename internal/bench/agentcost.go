@@ -19,7 +19,7 @@ import (
 )
 
 // What the agent itself costs: the run time of each of its BPF programs
-// (the kernel's statistics, on while the bench runs), the CPU time and
+// (the kernel's statistics, on during the profiling pass), the CPU time and
 // resident memory of the process that hosts it (the bench process: the
 // agent runs in it, next to an orchestrator that waits for the worker), and
 // the kernel memory of its maps and programs.

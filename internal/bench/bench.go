@@ -168,9 +168,8 @@ type Options struct {
 	// connection the agent cannot pair (what it costs traffic it does not
 	// accelerate, such as connections to other hosts).
 	QperfUnpaired bool
-	// NoBPFStats leaves the kernel's BPF run-time statistics off: no
-	// agent BPF CPU time in the report, and no clock read per program run in
-	// the measurement (for the observation's own overhead).
+	// NoBPFStats skips the profiling pass (the only runs with the kernel's
+	// BPF run-time statistics on): no agent BPF CPU time in the report.
 	NoBPFStats bool
 	// NoObserveReads runs observing agents without the client read
 	// tracepoint, as `meshwarp run` does: no client_app point in the

@@ -25,11 +25,11 @@ type AgentCost struct {
 	BPFMemoryBytes float64 `json:"bpf_memory_bytes"`
 }
 
-// summarizeCost fills the agent's cost into h: per BPF program, per
-// redirected message, and the hosting process (medians over the runs ss,
-// whose agent deltas are ds).
-func summarizeCost(h *HopsSummary, ss []Sample, ds []*AgentDelta) {
-	med := func(f func(s Sample) (float64, bool)) float64 {
+// summarizeCost fills the agent's cost into h: per BPF program and per
+// redirected message (medians over the runs bpf), and the hosting process
+// (over the runs ss).
+func summarizeCost(h *HopsSummary, ss, bpf []Sample) {
+	medOf := func(ss []Sample, f func(s Sample) (float64, bool)) float64 {
 		var v []float64
 		for _, s := range ss {
 			if s.Agent == nil {
@@ -42,14 +42,17 @@ func summarizeCost(h *HopsSummary, ss []Sample, ds []*AgentDelta) {
 		m, _ := Median(v)
 		return m
 	}
+	med := func(f func(s Sample) (float64, bool)) float64 { return medOf(bpf, f) }
 	h.BPFNSPerRedirectedMessage = med(func(s Sample) (float64, bool) {
 		a := s.Agent
 		return a.BPFRunSeconds * 1e9 / float64(a.RedirectedMessages), a.RedirectedMessages > 0 && a.BPFRunSeconds > 0
 	})
 	names := map[string]bool{}
-	for _, d := range ds {
-		for n := range d.BPFPrograms {
-			names[n] = true
+	for _, s := range bpf {
+		if s.Agent != nil {
+			for n := range s.Agent.BPFPrograms {
+				names[n] = true
+			}
 		}
 	}
 	for n := range names {
@@ -79,14 +82,14 @@ func summarizeCost(h *HopsSummary, ss []Sample, ds []*AgentDelta) {
 		h.BPFPrograms[n] = p
 	}
 	c := &AgentCost{
-		ProcessCPUPercent: med(func(s Sample) (float64, bool) {
+		ProcessCPUPercent: medOf(ss, func(s Sample) (float64, bool) {
 			return 100 * s.Agent.ProcessCPUSeconds / s.Agent.WallSeconds, s.Agent.WallSeconds > 0
 		}),
 		BPFCPUPercent: med(func(s Sample) (float64, bool) {
 			return 100 * s.Agent.BPFRunSeconds / s.Agent.WallSeconds, s.Agent.WallSeconds > 0
 		}),
-		ProcessRSSBytes: med(func(s Sample) (float64, bool) { return float64(s.Agent.ProcessRSSBytes), s.Agent.ProcessRSSBytes > 0 }),
-		BPFMemoryBytes:  med(func(s Sample) (float64, bool) { return float64(s.Agent.BPFMemoryBytes), s.Agent.BPFMemoryBytes > 0 }),
+		ProcessRSSBytes: medOf(ss, func(s Sample) (float64, bool) { return float64(s.Agent.ProcessRSSBytes), s.Agent.ProcessRSSBytes > 0 }),
+		BPFMemoryBytes:  medOf(ss, func(s Sample) (float64, bool) { return float64(s.Agent.BPFMemoryBytes), s.Agent.BPFMemoryBytes > 0 }),
 	}
 	if c.ProcessRSSBytes > 0 || c.BPFCPUPercent > 0 || c.ProcessCPUPercent > 0 {
 		h.Cost = c

@@ -55,6 +55,9 @@ type Sample struct {
 	// Histogram is fortio's latency histogram of the run (http, tcp).
 	Histogram []Bucket    `json:"histogram_us,omitempty"`
 	Agent     *AgentDelta `json:"agent,omitempty"`
+	// Profile marks a profiling run: BPF statistics on (they slow every
+	// program run), so it gives the BPF cost figures and nothing else.
+	Profile bool `json:"profile,omitempty"`
 	// Observed is what an observing agent recorded of the run (http).
 	Observed *Observation `json:"observed,omitempty"`
 }
@@ -352,6 +355,10 @@ func BuildReport(machine Machine, cfg Config, samples []Sample, modes []string) 
 	for _, k := range keys {
 		rep.Results = append(rep.Results, buildResult(k, groups[k], edges[k.workload]))
 	}
+	// Ratios compare measured runs only.
+	for k, ss := range groups {
+		groups[k], _ = splitProfile(ss)
+	}
 	for _, base := range []string{ModeSidecar, ModeDirect} {
 		for _, k := range keys {
 			if k.mode == base || k.mode == ModeFloor {
@@ -407,7 +414,20 @@ func buildRatio(k groupKey, base string, ss, bs []Sample) (Ratio, bool) {
 	return r, len(r.Values) > 0
 }
 
-func buildResult(k groupKey, ss []Sample, edges []float64) Result {
+// splitProfile separates the measured runs from the profiling runs.
+func splitProfile(ss []Sample) (measured, profile []Sample) {
+	for _, s := range ss {
+		if s.Profile {
+			profile = append(profile, s)
+		} else {
+			measured = append(measured, s)
+		}
+	}
+	return measured, profile
+}
+
+func buildResult(k groupKey, all []Sample, edges []float64) Result {
+	ss, profile := splitProfile(all)
 	r := Result{Mode: k.mode, Workload: k.workload, SizeBytes: k.size, Repeats: len(ss), Spread: map[string]MinMaxValue{}}
 	med := map[string]float64{}
 	for _, m := range metricOrder {
@@ -442,7 +462,7 @@ func buildResult(k groupKey, ss []Sample, edges []float64) Result {
 		r.RequestsTotal += s.Requests
 		r.ErrorsTotal += s.Errors
 	}
-	r.Hops = summarizeHops(ss)
+	r.Hops = summarizeHops(ss, profile)
 	if len(edges) > 1 {
 		counts := make([]float64, len(edges)-1)
 		any := false
@@ -491,7 +511,9 @@ func histogramEdges(samples []Sample) map[string][]float64 {
 	return out
 }
 
-func summarizeHops(ss []Sample) *HopsSummary {
+// summarizeHops summarises the agent's counters over the measured runs ss
+// and its BPF cost over the profiling runs (over ss when there are none).
+func summarizeHops(ss, profile []Sample) *HopsSummary {
 	var ds []*AgentDelta
 	for _, s := range ss {
 		if s.Agent != nil {
@@ -502,14 +524,18 @@ func summarizeHops(ss []Sample) *HopsSummary {
 		return nil
 	}
 	h := &HopsSummary{Accelerated: []string{}, Counters: medianCounters(ds)}
+	bpf := profile
+	if len(bpf) == 0 {
+		bpf = ss
+	}
 	var perReq []float64
-	for _, s := range ss {
+	for _, s := range bpf {
 		if s.Agent != nil && s.Requests > 0 && s.Agent.BPFRunSeconds > 0 {
 			perReq = append(perReq, s.Agent.BPFRunSeconds*1e6/float64(s.Requests))
 		}
 	}
 	h.BPFUSPerRequest, _ = Median(perReq)
-	summarizeCost(h, ss, ds)
+	summarizeCost(h, ss, bpf)
 	for n, c := range h.Hops {
 		if c.RedirectedMessages > 0 {
 			h.Accelerated = append(h.Accelerated, n)

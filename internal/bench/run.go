@@ -71,6 +71,8 @@ type runner struct {
 	// redisRate is the last measured redis request rate per row, which
 	// sizes redis-benchmark -n for the next run.
 	redisRate map[string]float64
+	// profiling is set during the profiling pass (see profilePass).
+	profiling bool
 }
 
 // Run measures every selected mode and workload in env, interleaving the
@@ -93,18 +95,6 @@ func Run(ctx context.Context, opts Options, env Env, startAgent StartAgentFunc, 
 	r.prog = newProgress(progressOut, steps, total)
 	t0 := time.Now()
 	machine := MachineFacts(t0)
-	// The agent's BPF CPU time (HopsSummary.BPFUSPerRequest) is counted by
-	// the kernel only while its statistics are on.
-	if slices.ContainsFunc(opts.Modes, ModeAgent) && !opts.NoBPFStats {
-		if stats, err := accel.EnableBPFStats(); err != nil {
-			r.notes = append(r.notes, fmt.Sprintf("the agent's BPF CPU time is not reported: %v", err))
-		} else {
-			defer stats.Close()
-			r.notes = append(r.notes, "BPF run-time statistics were on during the bench (a clock read per program run, in the modes with an agent); "+
-				"turned on through a BPF_ENABLE_STATS descriptor that the bench holds, so they go back off when it exits, also on a crash "+
-				"(kernel.bpf_stats_enabled was "+bpfStatsSysctl()+" and is not written)")
-		}
-	}
 	err := r.runAll(ctx)
 	r.prog.close()
 	if err != nil {
@@ -118,15 +108,64 @@ func Run(ctx context.Context, opts Options, env Env, startAgent StartAgentFunc, 
 	return rep, nil
 }
 
-// modeWorkloads are the selected workloads that run in every mode, in run order.
+// modeWorkloads are the selected workloads that run in every mode, in run
+// order; in the profiling pass, those reported per request.
 func (r *runner) modeWorkloads() []string {
 	var ws []string
 	for _, w := range []string{WorkloadHTTP, WorkloadTCP, WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1, WorkloadRedis, WorkloadQperf} {
-		if r.opts.hasWorkload(w) {
+		if r.opts.hasWorkload(w) && !(r.profiling && w == WorkloadQperf) {
 			ws = append(ws, w)
 		}
 	}
 	return ws
+}
+
+// ProfileDuration caps the length of a profiling run.
+const ProfileDuration = 3 * time.Second
+
+// profileModes are the modes the profiling pass runs: those with an agent,
+// when BPF statistics are wanted and a workload reports per request.
+func (r *runner) profileModes() []string {
+	if r.opts.NoBPFStats || !slices.ContainsFunc(r.opts.Workloads, func(w string) bool { return w != WorkloadQperf && w != WorkloadUnix }) {
+		return nil
+	}
+	return slices.DeleteFunc(slices.Clone(r.opts.Modes), func(m string) bool { return !ModeAgent(m) })
+}
+
+// profilePass runs each agent mode's workloads once more, shorter, with the
+// kernel's BPF run-time statistics on, for the per-program cost figures.
+// The statistics put a clock read around every program run, which costs
+// short connections (dozens of runs per request) several percent: the
+// measured repeats run without them, and these runs count in no ratio.
+func (r *runner) profilePass(ctx context.Context) error {
+	modes := r.profileModes()
+	if len(modes) == 0 {
+		return nil
+	}
+	stats, err := accel.EnableBPFStats()
+	if err != nil {
+		r.notes = append(r.notes, fmt.Sprintf("the agent's BPF CPU time is not reported: %v", err))
+		return nil
+	}
+	defer stats.Close()
+	r.notes = append(r.notes, fmt.Sprintf("BPF cost figures come from one profiling run per agent mode and workload (at most %v, after the measured repeats) "+
+		"with the kernel's BPF run-time statistics on; the measured repeats ran with them off. They are turned on through a BPF_ENABLE_STATS "+
+		"descriptor that the bench holds, so they go back off when it exits, also on a crash (kernel.bpf_stats_enabled was %s and is not written)",
+		ProfileDuration, bpfStatsSysctl()))
+	r.profiling = true
+	saved := r.opts.Duration
+	r.opts.Duration = min(saved, ProfileDuration)
+	defer func() { r.profiling, r.opts.Duration = false, saved }()
+	for _, mode := range modes {
+		first := len(r.samples)
+		if err := r.runMode(ctx, 0, mode); err != nil {
+			return err
+		}
+		for i := first; i < len(r.samples); i++ {
+			r.samples[i].Profile = true
+		}
+	}
+	return nil
 }
 
 // estimate of one step, for the progress bar
@@ -166,6 +205,19 @@ func (r *runner) plan() (int, time.Duration) {
 			total += r.estimate(WorkloadUnix)
 		}
 	}
+	for range r.profileModes() {
+		for _, w := range r.modeWorkloads() {
+			if w == WorkloadQperf {
+				continue
+			}
+			steps++
+			saved := r.opts.Duration
+			r.opts.Duration = min(saved, ProfileDuration)
+			total += r.estimate(w)
+			r.opts.Duration = saved
+		}
+		total += 500 * time.Millisecond
+	}
 	return steps, total
 }
 
@@ -202,7 +254,7 @@ func (r *runner) runAll(ctx context.Context) error {
 			}
 		}
 	}
-	return nil
+	return r.profilePass(ctx)
 }
 
 // check turns a run error into a recorded failure (the bench goes on), or
@@ -266,7 +318,7 @@ func (r *runner) runMode(ctx context.Context, rep int, mode string) (err error) 
 			}
 		}()
 	}
-	if agent != nil {
+	if agent != nil && !r.profiling {
 		if err := r.measureIdle(rep, mode, agent); err != nil {
 			return fmt.Errorf("agent at idle in %s: %w", mode, err)
 		}
@@ -276,6 +328,9 @@ func (r *runner) runMode(ctx context.Context, rep int, mode string) (err error) 
 			continue
 		}
 		label := fmt.Sprintf("repeat %d/%d  %-16s %s", rep+1, r.opts.Repeat, mode, w)
+		if r.profiling {
+			label = fmt.Sprintf("profile     %-16s %s (BPF statistics on)", mode, w)
+		}
 		r.prog.begin(label, r.estimate(w))
 		var werr error
 		_, isFortio := fortioWorkload(w)

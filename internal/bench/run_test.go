@@ -172,8 +172,21 @@ func TestRunOnLoopback(t *testing.T) {
 	if len(rep.Failures) > 0 {
 		t.Fatalf("failures: %v", rep.Failures)
 	}
-	if agent.starts != 4 || agent.uninstalls != 4 {
-		t.Errorf("agent started %d, uninstalled %d times; want 4 and 4 (2 +meshwarp modes x 2 repeats)", agent.starts, agent.uninstalls)
+	if agent.starts != 6 || agent.uninstalls != 6 {
+		t.Errorf("agent started %d, uninstalled %d times; want 6 and 6 (2 +meshwarp modes x (2 repeats + the profiling pass))", agent.starts, agent.uninstalls)
+	}
+	// The profiling pass: one run per agent mode and workload, in no result's repeats.
+	profiles := map[string]int{}
+	for _, s := range rep.Runs {
+		if s.Profile {
+			if !ModeAgent(s.Mode) || s.Agent == nil {
+				t.Errorf("profiling run %s %s: agent %v", s.Mode, s.Workload, s.Agent)
+			}
+			profiles[s.Mode+" "+s.Workload]++
+		}
+	}
+	if len(profiles) != 4 || profiles[ModeSidecarMeshwarp+" "+WorkloadHTTP] != 1 {
+		t.Errorf("profiling runs %v, want one per agent mode and workload", profiles)
 	}
 	// interleaving: one capture switch per mode, in order, per repeat
 	var captures []string
@@ -183,7 +196,8 @@ func TestRunOnLoopback(t *testing.T) {
 		}
 	}
 	one := []string{"capture=false", "capture=true", "restart-sidecars", "capture=true", "restart-sidecars", "capture=false"}
-	want := strings.Join(append(append([]string{}, one...), one...), " ")
+	profiling := []string{"capture=true", "restart-sidecars", "capture=false"} // the agent modes only
+	want := strings.Join(append(append(append([]string{}, one...), one...), profiling...), " ")
 	if got := strings.Join(captures, " "); got != want {
 		t.Errorf("mode switches\n got %s\nwant %s", got, want)
 	}

@@ -259,7 +259,7 @@ func (r *Report) breakdownLines() []string {
 	for _, m := range r.Config.Modes {
 		var b *observe.Breakdown
 		for _, s := range r.Runs {
-			if s.Mode == m && s.Workload == WorkloadHTTP && s.Observed != nil && s.Observed.Breakdown != nil {
+			if s.Mode == m && s.Workload == WorkloadHTTP && !s.Profile && s.Observed != nil && s.Observed.Breakdown != nil {
 				b = s.Observed.Breakdown
 			}
 		}

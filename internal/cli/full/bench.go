@@ -69,10 +69,14 @@ repeated, and reports medians, spread and per-repeat ratios:
                          redis-p16 (Debian's redis-server, redis-tools)
 
 In every mode with an agent the report also says what the agent costs: each
-BPF program's runs and run time per request and per redirected message (the
-kernel's BPF statistics, on while bench runs), and the CPU and resident memory
-of the process hosting the agent and its BPF maps' memory, at idle (1s after
-attaching, no traffic) and under each workload.
+BPF program's runs and run time per request and per redirected message, and the
+CPU and resident memory of the process hosting the agent and its BPF maps'
+memory, at idle (1s after attaching, no traffic) and under each workload. The
+BPF figures come from a profiling pass after the measured repeats: each agent
+mode and workload once more (at most 3s) with the kernel's BPF statistics on.
+The statistics read the clock around every program run, dozens of times per
+short connection, so the measured repeats (every qps, latency and ratio) run
+with them off.
 
 The load generator runs inside the client pod and the lab cgroup; CPU is the
 lab cgroup's (apps, sidecars, load generator) per 1,000 requests. If no lab is
@@ -104,7 +108,7 @@ direct pod-to-pod traffic cross the nodes; app-to-sidecar hops stay on a node.`,
 	fl.IntVar(&f.connections, "connections", bench.DefaultConnections, "fortio connections (http, tcp)")
 	fl.IntVar(&f.closeConns, "close-connections", bench.DefaultCloseConnections, "fortio connections of http-close (each request on a new connection)")
 	fl.BoolVar(&f.qperfLoopback, "qperf-loopback", false, "run qperf between two sockets of the server pod over 127.0.0.1 (same netns) instead of pod to pod")
-	fl.BoolVar(&f.bpfStats, "bpf-stats", true, "turn on the kernel's BPF run-time statistics to report the agent's BPF CPU per request; they add a clock read per program run (--bpf-stats=false to measure the agent's overhead without them)")
+	fl.BoolVar(&f.bpfStats, "bpf-stats", true, "after the measured repeats, profile each agent mode and workload with the kernel's BPF run-time statistics on, for the agent's BPF CPU per program, request and message (--bpf-stats=false: no profiling pass)")
 	fl.BoolVar(&f.observeReads, "observe-reads", true, "observing agents also record the client application's reads (the breakdown's first segment; `meshwarp run` leaves this to `meshwarp trace`): --observe-reads=false measures the observation as run pays it")
 	fl.BoolVar(&f.qperfUnpaired, "qperf-unpaired", false, "run qperf against a server outside the lab cgroup: a connection meshwarp cannot pair "+
 		"(what the agent costs traffic it does not accelerate; compare direct with direct+meshwarp)")
