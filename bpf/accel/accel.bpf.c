@@ -14,11 +14,11 @@
  *   mw_sock_hash    SOCKHASH  mw_sock_key -> socket
  *   mw_conns        HASH      mw_conn_id  -> mw_conn (the pairing decision)
  *   mw_connecting, mw_unhinted                LRU_HASH   who may have a local peer
- *   mw_sk_store     SK_STORAGE             mw_sk_state per socket
+ *   mw_sk_store     SK_STORAGE             mw_sock per socket (pairing and observation)
  *   mw_stats        PERCPU_ARRAY           mw_counters
  *   mw_policy, mw_port_policy, mw_cidr_incl, mw_cidr_excl   policy
  *   mw_cgroup       CGROUP_ARRAY, mw_unfit_procs LRU_HASH     the syscall watches
- *   mw_flows, mw_obs_store (observe.h); the tap's own, not pinned (tap.h)
+ *   mw_flows (observe.h); the tap's own, not pinned (tap.h)
  *
  * Where each concern lives:
  *   accel.h        types shared with Go (bpf2go -type)

@@ -210,7 +210,7 @@ struct mw_flow {
 };
 
 /*
- * mw_obs_store value: what the observation knows of one socket, set when it
+ * mw_sock.obs: what the observation knows of one socket, set when it
  * connects or is established (sock_ops), used by the TCP path (cgroup_skb)
  * and at close.
  */
@@ -328,6 +328,16 @@ struct mw_sk_state {
 	__u32 run_msgs;  /* and their count */
 	__u32 left;      /* left mw_sock_hash after its connection went to TCP (plain TCP since) */
 	__u64 redir_ns;  /* coarse clock at its last redirect (fin_order.h) */
+};
+
+/*
+ * mw_sk_store value: all meshwarp keeps of one socket, in one allocation
+ * (a socket-storage record costs an allocation and a memory-cgroup charge
+ * per socket: short connections pay it per request).
+ */
+struct mw_sock {
+	struct mw_sk_state pair; /* pairing and the redirect (zero: never paired) */
+	struct mw_obs_sock obs;  /* observation (zero: not observed) */
 };
 
 /* Counters, one copy per CPU (summed by Go). Cumulative. */

@@ -45,7 +45,7 @@ int mw_fin_order(struct __sk_buff *skb)
 	sk = bpf_sk_fullsock(sk);
 	if (!sk || sk->protocol != IPPROTO_TCP)
 		return 1;
-	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, 0);
+	st = pair_state(sk, false);
 	if (!st || !st->redir_ns || bpf_ktime_get_coarse_ns() - st->redir_ns > MW_FIN_HOLD_NS)
 		return 1;
 	tp = bpf_skc_to_tcp_sock(sk);

@@ -312,7 +312,7 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	reason = option_unfit(ctx->level, ctx->optname, val);
 	if (!reason)
 		return 1;
-	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, 0);
+	st = pair_state(sk, false);
 	if (!st || !st->role || st->left)
 		return 1; /* not in mw_sock_hash: TCP honours it */
 	c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);

@@ -86,7 +86,7 @@ static __always_inline void stop_leave_checks(struct bpf_sock_ops *skops, __u32 
 static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bpf_sock *sk, __u32 cb_flags,
 					   bool receiving)
 {
-	struct mw_sk_state *st = bpf_sk_storage_get(&mw_sk_store, sk, 0, 0);
+	struct mw_sk_state *st = pair_state(sk, false);
 	struct mw_sock_key key;
 	struct mw_counters *cnt;
 	struct tcp_sock *tp;
@@ -187,7 +187,7 @@ static __always_inline void poll_leave(struct mw_conn *c)
 
 static __always_inline void on_close(struct bpf_sock *sk)
 {
-	struct mw_sk_state *st = bpf_sk_storage_get(&mw_sk_store, sk, 0, 0);
+	struct mw_sk_state *st = pair_state(sk, false);
 	struct mw_counters *cnt;
 	bool was_paired;
 

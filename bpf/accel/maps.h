@@ -96,9 +96,35 @@ struct {
 	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, int);
-	__type(value, struct mw_sk_state);
+	__type(value, struct mw_sock);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } mw_sk_store SEC(".maps");
+
+/* sk's record in mw_sk_store (created if create), or NULL. */
+static __always_inline struct mw_sock *sock_rec(void *sk, bool create)
+{
+	return bpf_sk_storage_get(&mw_sk_store, sk, 0, create ? BPF_SK_STORAGE_GET_F_CREATE : 0);
+}
+
+/* sk's pairing state, or NULL. */
+static __always_inline struct mw_sk_state *pair_state(void *sk, bool create)
+{
+	struct mw_sock *s = sock_rec(sk, create);
+
+	return s ? &s->pair : NULL; /* offset 0: no arithmetic on a maybe-NULL pointer */
+}
+
+/* sk's observation state, or NULL. */
+static __always_inline struct mw_obs_sock *obs_state(void *sk, bool create)
+{
+	struct mw_sock *s = sock_rec(sk, create);
+
+	if (!s)
+		return NULL;
+	/* Keep the offset behind the NULL check (the verifier rejects it before). */
+	barrier_var(s);
+	return &s->obs;
+}
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);

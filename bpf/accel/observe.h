@@ -45,13 +45,6 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } mw_flows SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, struct mw_obs_sock);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_obs_store SEC(".maps");
 
 #define MW_EEXIST 17
 
@@ -221,7 +214,7 @@ static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_so
 
 	if (!observe)
 		return cb_flags;
-	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	o = obs_state(sk, true);
 	if (!o)
 		return cb_flags;
 	sockops_tuple(skops, &t);
@@ -245,7 +238,7 @@ static __always_inline void obs_established(struct bpf_sock_ops *skops, struct b
 
 	if (!observe)
 		return;
-	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
+	o = obs_state(sk, false);
 	if (o)
 		o->start_ns = o->flushed_ns = bpf_ktime_get_ns();
 }
@@ -253,7 +246,7 @@ static __always_inline void obs_established(struct bpf_sock_ops *skops, struct b
 /* sock_ops STATE_CB to CLOSE: how the connection ended, and its lifetime. */
 static __always_inline void obs_end(struct bpf_sock *sk, __u32 old_state)
 {
-	struct mw_obs_sock *o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
+	struct mw_obs_sock *o = obs_state(sk, false);
 	struct mw_flow_key k = {};
 	__u64 now;
 
@@ -307,7 +300,7 @@ static __always_inline void obs_peer_bytes(struct mw_obs_sock *o, struct mw_conn
 static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *st, struct mw_conn *c, __u32 size,
 				    __u64 coarse_now)
 {
-	struct mw_obs_sock *o = bpf_sk_storage_get(&mw_obs_store, msg->sk, 0, 0);
+	struct mw_obs_sock *o = obs_state(msg->sk, false);
 	__u32 kind = MW_HTTP_NONE, method = MW_METHOD_OTHER, status = 0;
 	struct mw_flow_key k = {};
 	__u8 buf[MW_OBS_PEEK] = {};
@@ -373,7 +366,7 @@ static __always_inline void obs_conn_end(struct bpf_sock *sk, struct mw_conn *c)
 
 	if (!observe)
 		return;
-	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
+	o = obs_state(sk, false);
 	if (o)
 		obs_peer_bytes(o, c, 0);
 }

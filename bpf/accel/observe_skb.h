@@ -29,7 +29,7 @@ static __always_inline void bpf_sock_tuple(struct bpf_sock *sk, struct mw_tuple 
  */
 static __always_inline struct mw_obs_sock *obs_late(struct __sk_buff *skb, struct bpf_sock *sk, bool egress, __u64 now)
 {
-	struct mw_obs_sock *o = bpf_sk_storage_get(&mw_obs_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	struct mw_obs_sock *o = obs_state(sk, true);
 	struct mw_tuple t = {};
 
 	if (!o)
@@ -75,7 +75,7 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 	sk = bpf_sk_fullsock(sk);
 	if (!sk || sk->protocol != IPPROTO_TCP)
 		return 1;
-	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
+	o = obs_state(sk, false);
 	if (o && !o->start_ns)
 		return 1; /* its end was recorded */
 	/*
@@ -166,7 +166,7 @@ int mw_obs_recv(__u64 *ctx)
 
 	if (!observe || ret <= 0 || (flags & MW_MSG_PEEK) || !sk)
 		return 0;
-	o = bpf_sk_storage_get(&mw_obs_store, sk, 0, 0);
+	o = obs_state(sk, false);
 	if (!o || !o->app_req_ns)
 		return 0;
 	now = bpf_ktime_get_ns();

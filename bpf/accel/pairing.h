@@ -245,7 +245,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		keep_off(MW_REASON_NO_LOCAL_PEER);
 		return;
 	}
-	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	st = pair_state(sk, true);
 	if (!st)
 		return;
 	/* A socket reconnected after connect(AF_UNSPEC) keeps its storage: start clean. */
@@ -401,7 +401,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		passive_gives_up(&id, c, MW_REASON_ADDR_MISMATCH);
 		return;
 	}
-	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	st = pair_state(sk, true);
 	if (!st) {
 		passive_gives_up(&id, c, MW_REASON_SOCKHASH_FULL);
 		return;

@@ -171,7 +171,7 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 
 	if (!sk)
 		return SK_PASS;
-	st = bpf_sk_storage_get(&mw_sk_store, sk, 0, 0);
+	st = pair_state(sk, false);
 	if (!st)
 		return SK_PASS;
 	if (!st->decision)

@@ -142,25 +142,6 @@ const (
 	accelMwMethodMW_METHOD_MAX     accelMwMethod = 10
 )
 
-type accelMwObsSock struct {
-	_           structs.HostLayout
-	Netns       uint64
-	Server      accelMwEndpoint
-	Point       uint32
-	StartNs     uint64
-	ReqNs       uint64
-	Bytes       uint64
-	FlushedNs   uint64
-	AppReqNs    uint64
-	PeerSeen    uint64
-	ReqMethod   uint32
-	ReqEgress   uint32
-	SndNext     uint32
-	RcvNext     uint32
-	SeqSet      uint32
-	Accelerated uint32
-}
-
 type accelMwPoint uint32
 
 const (
@@ -239,6 +220,29 @@ type accelMwSkState struct {
 	RedirNs  uint64
 }
 
+type accelMwSock struct {
+	_    structs.HostLayout
+	Pair accelMwSkState
+	Obs  struct {
+		_           structs.HostLayout
+		Netns       uint64
+		Server      accelMwEndpoint
+		Point       uint32
+		StartNs     uint64
+		ReqNs       uint64
+		Bytes       uint64
+		FlushedNs   uint64
+		AppReqNs    uint64
+		PeerSeen    uint64
+		ReqMethod   uint32
+		ReqEgress   uint32
+		SndNext     uint32
+		RcvNext     uint32
+		SeqSet      uint32
+		Accelerated uint32
+	}
+}
+
 type accelMwSockKey struct {
 	_            structs.HostLayout
 	Conn         accelMwConnId
@@ -312,7 +316,6 @@ const (
 	accelMapMwConnecting           = "mw_connecting"
 	accelMapMwConns                = "mw_conns"
 	accelMapMwFlows                = "mw_flows"
-	accelMapMwObsStore             = "mw_obs_store"
 	accelMapMwPolicy               = "mw_policy"
 	accelMapMwPortPolicy           = "mw_port_policy"
 	accelMapMwSkStore              = "mw_sk_store"
@@ -434,7 +437,6 @@ type accelMapSpecs struct {
 	MwConnecting  *ebpf.MapSpec `ebpf:"mw_connecting"`
 	MwConns       *ebpf.MapSpec `ebpf:"mw_conns"`
 	MwFlows       *ebpf.MapSpec `ebpf:"mw_flows"`
-	MwObsStore    *ebpf.MapSpec `ebpf:"mw_obs_store"`
 	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
@@ -496,7 +498,6 @@ type accelMaps struct {
 	MwConnecting  *ebpf.Map `ebpf:"mw_connecting"`
 	MwConns       *ebpf.Map `ebpf:"mw_conns"`
 	MwFlows       *ebpf.Map `ebpf:"mw_flows"`
-	MwObsStore    *ebpf.Map `ebpf:"mw_obs_store"`
 	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
@@ -519,7 +520,6 @@ func (m *accelMaps) Close() error {
 		m.MwConnecting,
 		m.MwConns,
 		m.MwFlows,
-		m.MwObsStore,
 		m.MwPolicy,
 		m.MwPortPolicy,
 		m.MwSkStore,

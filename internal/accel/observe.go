@@ -129,7 +129,7 @@ func TraceReads(pinDir string) (io.Closer, error) {
 		return nil, err
 	}
 	replace := map[string]*ebpf.Map{}
-	for _, ms := range []*ebpf.MapSpec{specs.MwObsStore, specs.MwFlows, specs.MwStats} {
+	for _, ms := range []*ebpf.MapSpec{specs.MwSkStore, specs.MwFlows, specs.MwStats} {
 		m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, ms.Name), nil)
 		if err != nil {
 			return nil, fmt.Errorf("no meshwarp agent is attached at %s (%w): start one with `meshwarp run`", pinDir, errors.Unwrap(err))
