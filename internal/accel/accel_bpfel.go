@@ -180,6 +180,11 @@ type accelMwPolicyCfg struct {
 	IncludeCidrsSet uint32
 }
 
+type accelMwProg struct {
+	_    structs.HostLayout
+	Comm [16]int8
+}
+
 type accelMwProto uint32
 
 const (
@@ -302,6 +307,13 @@ type accelMwUnfitProc struct {
 	Calls uint64
 }
 
+type accelMwUnfitProg struct {
+	_       structs.HostLayout
+	Reason  uint32
+	Pad     uint32
+	KeptOff uint64
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -315,6 +327,7 @@ const (
 	accelMapMwObsStore             = "mw_obs_store"
 	accelMapMwPolicy               = "mw_policy"
 	accelMapMwPortPolicy           = "mw_port_policy"
+	accelMapMwProgStore            = "mw_prog_store"
 	accelMapMwSkStore              = "mw_sk_store"
 	accelMapMwSockHash             = "mw_sock_hash"
 	accelMapMwStats                = "mw_stats"
@@ -323,15 +336,19 @@ const (
 	accelMapMwTapScratch           = "mw_tap_scratch"
 	accelMapMwUnfitLport           = "mw_unfit_lport"
 	accelMapMwUnfitProcs           = "mw_unfit_procs"
+	accelMapMwUnfitProgs           = "mw_unfit_progs"
 	accelMapMwUnfitRport           = "mw_unfit_rport"
 	accelMapMwUnhinted             = "mw_unhinted"
 	accelProgMwFinOrder            = "mw_fin_order"
 	accelProgMwObsEgress           = "mw_obs_egress"
 	accelProgMwObsIngress          = "mw_obs_ingress"
 	accelProgMwObsRecv             = "mw_obs_recv"
+	accelProgMwPostBind4           = "mw_post_bind4"
+	accelProgMwPostBind6           = "mw_post_bind6"
 	accelProgMwSetsockopt          = "mw_setsockopt"
 	accelProgMwSkmsg               = "mw_skmsg"
 	accelProgMwSkmsgTap            = "mw_skmsg_tap"
+	accelProgMwSockCreate          = "mw_sock_create"
 	accelProgMwSockops             = "mw_sockops"
 	accelProgMwSynIn               = "mw_syn_in"
 	accelProgMwSysClose            = "mw_sys_close"
@@ -349,6 +366,7 @@ const (
 	accelVarObsBoundsNs            = "obs_bounds_ns"
 	accelVarObserve                = "observe"
 	accelVarOutboundCapturePort    = "outbound_capture_port"
+	accelVarProgsLearned           = "progs_learned"
 	accelVarRedirectBudgetBytes    = "redirect_budget_bytes"
 	accelVarSidecarUid             = "sidecar_uid"
 	accelVarStreamRunMsgs          = "stream_run_msgs"
@@ -407,9 +425,12 @@ type accelProgramSpecs struct {
 	MwObsEgress   *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
 	MwObsIngress  *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
 	MwObsRecv     *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
+	MwPostBind4   *ebpf.ProgramSpec `ebpf:"mw_post_bind4"`
+	MwPostBind6   *ebpf.ProgramSpec `ebpf:"mw_post_bind6"`
 	MwSetsockopt  *ebpf.ProgramSpec `ebpf:"mw_setsockopt"`
 	MwSkmsg       *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
 	MwSkmsgTap    *ebpf.ProgramSpec `ebpf:"mw_skmsg_tap"`
+	MwSockCreate  *ebpf.ProgramSpec `ebpf:"mw_sock_create"`
 	MwSockops     *ebpf.ProgramSpec `ebpf:"mw_sockops"`
 	MwSynIn       *ebpf.ProgramSpec `ebpf:"mw_syn_in"`
 	MwSysClose    *ebpf.ProgramSpec `ebpf:"mw_sys_close"`
@@ -437,6 +458,7 @@ type accelMapSpecs struct {
 	MwObsStore    *ebpf.MapSpec `ebpf:"mw_obs_store"`
 	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
+	MwProgStore   *ebpf.MapSpec `ebpf:"mw_prog_store"`
 	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
 	MwSockHash    *ebpf.MapSpec `ebpf:"mw_sock_hash"`
 	MwStats       *ebpf.MapSpec `ebpf:"mw_stats"`
@@ -445,6 +467,7 @@ type accelMapSpecs struct {
 	MwTapScratch  *ebpf.MapSpec `ebpf:"mw_tap_scratch"`
 	MwUnfitLport  *ebpf.MapSpec `ebpf:"mw_unfit_lport"`
 	MwUnfitProcs  *ebpf.MapSpec `ebpf:"mw_unfit_procs"`
+	MwUnfitProgs  *ebpf.MapSpec `ebpf:"mw_unfit_progs"`
 	MwUnfitRport  *ebpf.MapSpec `ebpf:"mw_unfit_rport"`
 	MwUnhinted    *ebpf.MapSpec `ebpf:"mw_unhinted"`
 }
@@ -458,6 +481,7 @@ type accelVariableSpecs struct {
 	ObsBoundsNs            *ebpf.VariableSpec `ebpf:"obs_bounds_ns"`
 	Observe                *ebpf.VariableSpec `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.VariableSpec `ebpf:"outbound_capture_port"`
+	ProgsLearned           *ebpf.VariableSpec `ebpf:"progs_learned"`
 	RedirectBudgetBytes    *ebpf.VariableSpec `ebpf:"redirect_budget_bytes"`
 	SidecarUid             *ebpf.VariableSpec `ebpf:"sidecar_uid"`
 	StreamRunMsgs          *ebpf.VariableSpec `ebpf:"stream_run_msgs"`
@@ -499,6 +523,7 @@ type accelMaps struct {
 	MwObsStore    *ebpf.Map `ebpf:"mw_obs_store"`
 	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
+	MwProgStore   *ebpf.Map `ebpf:"mw_prog_store"`
 	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
 	MwSockHash    *ebpf.Map `ebpf:"mw_sock_hash"`
 	MwStats       *ebpf.Map `ebpf:"mw_stats"`
@@ -507,6 +532,7 @@ type accelMaps struct {
 	MwTapScratch  *ebpf.Map `ebpf:"mw_tap_scratch"`
 	MwUnfitLport  *ebpf.Map `ebpf:"mw_unfit_lport"`
 	MwUnfitProcs  *ebpf.Map `ebpf:"mw_unfit_procs"`
+	MwUnfitProgs  *ebpf.Map `ebpf:"mw_unfit_progs"`
 	MwUnfitRport  *ebpf.Map `ebpf:"mw_unfit_rport"`
 	MwUnhinted    *ebpf.Map `ebpf:"mw_unhinted"`
 }
@@ -522,6 +548,7 @@ func (m *accelMaps) Close() error {
 		m.MwObsStore,
 		m.MwPolicy,
 		m.MwPortPolicy,
+		m.MwProgStore,
 		m.MwSkStore,
 		m.MwSockHash,
 		m.MwStats,
@@ -530,6 +557,7 @@ func (m *accelMaps) Close() error {
 		m.MwTapScratch,
 		m.MwUnfitLport,
 		m.MwUnfitProcs,
+		m.MwUnfitProgs,
 		m.MwUnfitRport,
 		m.MwUnhinted,
 	)
@@ -544,6 +572,7 @@ type accelVariables struct {
 	ObsBoundsNs            *ebpf.Variable `ebpf:"obs_bounds_ns"`
 	Observe                *ebpf.Variable `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.Variable `ebpf:"outbound_capture_port"`
+	ProgsLearned           *ebpf.Variable `ebpf:"progs_learned"`
 	RedirectBudgetBytes    *ebpf.Variable `ebpf:"redirect_budget_bytes"`
 	SidecarUid             *ebpf.Variable `ebpf:"sidecar_uid"`
 	StreamRunMsgs          *ebpf.Variable `ebpf:"stream_run_msgs"`
@@ -564,9 +593,12 @@ type accelPrograms struct {
 	MwObsEgress   *ebpf.Program `ebpf:"mw_obs_egress"`
 	MwObsIngress  *ebpf.Program `ebpf:"mw_obs_ingress"`
 	MwObsRecv     *ebpf.Program `ebpf:"mw_obs_recv"`
+	MwPostBind4   *ebpf.Program `ebpf:"mw_post_bind4"`
+	MwPostBind6   *ebpf.Program `ebpf:"mw_post_bind6"`
 	MwSetsockopt  *ebpf.Program `ebpf:"mw_setsockopt"`
 	MwSkmsg       *ebpf.Program `ebpf:"mw_skmsg"`
 	MwSkmsgTap    *ebpf.Program `ebpf:"mw_skmsg_tap"`
+	MwSockCreate  *ebpf.Program `ebpf:"mw_sock_create"`
 	MwSockops     *ebpf.Program `ebpf:"mw_sockops"`
 	MwSynIn       *ebpf.Program `ebpf:"mw_syn_in"`
 	MwSysClose    *ebpf.Program `ebpf:"mw_sys_close"`
@@ -587,9 +619,12 @@ func (p *accelPrograms) Close() error {
 		p.MwObsEgress,
 		p.MwObsIngress,
 		p.MwObsRecv,
+		p.MwPostBind4,
+		p.MwPostBind6,
 		p.MwSetsockopt,
 		p.MwSkmsg,
 		p.MwSkmsgTap,
+		p.MwSockCreate,
 		p.MwSockops,
 		p.MwSynIn,
 		p.MwSysClose,
