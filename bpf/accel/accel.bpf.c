@@ -20,7 +20,7 @@
  *   mw_policy, mw_port_policy, mw_cidr_incl, mw_cidr_excl   policy
  *   mw_cgroup       CGROUP_ARRAY, mw_unfit_procs LRU_HASH     the syscall watches
  *   mw_prog_store   SK_STORAGE (cloned to accepted sockets), mw_unfit_progs
- *                   LRU_HASH                learned programs (learning.h)
+ *                   LRU_HASH, mw_learned_any ARRAY   learned programs (learning.h)
  *   mw_flows, mw_obs_store (observe.h); the tap's own, not pinned (tap.h)
  *
  * Where each concern lives:

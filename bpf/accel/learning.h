@@ -82,13 +82,16 @@ static __always_inline void learn_unfit_prog(const struct mw_prog *prog, __u32 r
 {
 	struct mw_unfit_prog init = { .reason = reason };
 	struct mw_prog cur = {};
+	__u32 zero = 0, *any;
 
 	if (!prog) {
 		bpf_get_current_comm(cur.comm, sizeof(cur.comm));
 		prog = &cur;
 	}
 	bpf_map_update_elem(&mw_unfit_progs, prog, &init, BPF_NOEXIST);
-	progs_learned = 1;
+	any = bpf_map_lookup_elem(&mw_learned_any, &zero);
+	if (any && !*any)
+		*any = 1;
 }
 
 /*

@@ -207,11 +207,16 @@ struct {
 } mw_unfit_progs SEC(".maps");
 
 /*
- * Whether mw_unfit_progs may hold anything: while it is 0 the connection
- * path skips the lookup. Set by learning, and by the agent at start when
- * the adopted map holds entries (it is not pinned).
+ * 0 -> whether mw_unfit_progs may hold anything: while not, the connection
+ * path skips its lookup (an array lookup is inlined). Pinned with it.
  */
-volatile __u32 progs_learned;
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_learned_any SEC(".maps");
 
 static __always_inline struct mw_counters *counters(void)
 {

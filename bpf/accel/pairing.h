@@ -177,8 +177,10 @@ static __always_inline __u32 prog_unfit(struct bpf_sock *sk)
 {
 	struct mw_unfit_prog *u;
 	struct mw_prog *prog;
+	__u32 zero = 0, *any;
 
-	if (!progs_learned)
+	any = bpf_map_lookup_elem(&mw_learned_any, &zero);
+	if (!any || !*any)
 		return 0;
 	prog = bpf_sk_storage_get(&mw_prog_store, sk, 0, 0);
 	if (!prog)

@@ -324,6 +324,7 @@ const (
 	accelMapMwConnecting           = "mw_connecting"
 	accelMapMwConns                = "mw_conns"
 	accelMapMwFlows                = "mw_flows"
+	accelMapMwLearnedAny           = "mw_learned_any"
 	accelMapMwObsStore             = "mw_obs_store"
 	accelMapMwPolicy               = "mw_policy"
 	accelMapMwPortPolicy           = "mw_port_policy"
@@ -366,7 +367,6 @@ const (
 	accelVarObsBoundsNs            = "obs_bounds_ns"
 	accelVarObserve                = "observe"
 	accelVarOutboundCapturePort    = "outbound_capture_port"
-	accelVarProgsLearned           = "progs_learned"
 	accelVarRedirectBudgetBytes    = "redirect_budget_bytes"
 	accelVarSidecarUid             = "sidecar_uid"
 	accelVarStreamRunMsgs          = "stream_run_msgs"
@@ -455,6 +455,7 @@ type accelMapSpecs struct {
 	MwConnecting  *ebpf.MapSpec `ebpf:"mw_connecting"`
 	MwConns       *ebpf.MapSpec `ebpf:"mw_conns"`
 	MwFlows       *ebpf.MapSpec `ebpf:"mw_flows"`
+	MwLearnedAny  *ebpf.MapSpec `ebpf:"mw_learned_any"`
 	MwObsStore    *ebpf.MapSpec `ebpf:"mw_obs_store"`
 	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
@@ -481,7 +482,6 @@ type accelVariableSpecs struct {
 	ObsBoundsNs            *ebpf.VariableSpec `ebpf:"obs_bounds_ns"`
 	Observe                *ebpf.VariableSpec `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.VariableSpec `ebpf:"outbound_capture_port"`
-	ProgsLearned           *ebpf.VariableSpec `ebpf:"progs_learned"`
 	RedirectBudgetBytes    *ebpf.VariableSpec `ebpf:"redirect_budget_bytes"`
 	SidecarUid             *ebpf.VariableSpec `ebpf:"sidecar_uid"`
 	StreamRunMsgs          *ebpf.VariableSpec `ebpf:"stream_run_msgs"`
@@ -520,6 +520,7 @@ type accelMaps struct {
 	MwConnecting  *ebpf.Map `ebpf:"mw_connecting"`
 	MwConns       *ebpf.Map `ebpf:"mw_conns"`
 	MwFlows       *ebpf.Map `ebpf:"mw_flows"`
+	MwLearnedAny  *ebpf.Map `ebpf:"mw_learned_any"`
 	MwObsStore    *ebpf.Map `ebpf:"mw_obs_store"`
 	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
@@ -545,6 +546,7 @@ func (m *accelMaps) Close() error {
 		m.MwConnecting,
 		m.MwConns,
 		m.MwFlows,
+		m.MwLearnedAny,
 		m.MwObsStore,
 		m.MwPolicy,
 		m.MwPortPolicy,
@@ -572,7 +574,6 @@ type accelVariables struct {
 	ObsBoundsNs            *ebpf.Variable `ebpf:"obs_bounds_ns"`
 	Observe                *ebpf.Variable `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.Variable `ebpf:"outbound_capture_port"`
-	ProgsLearned           *ebpf.Variable `ebpf:"progs_learned"`
 	RedirectBudgetBytes    *ebpf.Variable `ebpf:"redirect_budget_bytes"`
 	SidecarUid             *ebpf.Variable `ebpf:"sidecar_uid"`
 	StreamRunMsgs          *ebpf.Variable `ebpf:"stream_run_msgs"`

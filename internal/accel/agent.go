@@ -214,11 +214,6 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	}
 	sockops := a.sockops
 	undo = append(undo, func() { sockops.Close() })
-	// After the programs are in place, so no learned program is missed:
-	// what they learn from now on they mark themselves.
-	if err := a.markProgsLearned(); err != nil {
-		return nil, err
-	}
 
 	if err := a.attachObservation(); err != nil {
 		return nil, err

@@ -192,17 +192,3 @@ func pinnedLearnedPrograms(pinDir string) ([]LearnedProgram, error) {
 	defer m.Close()
 	return readLearnedPrograms(m)
 }
-
-// markProgsLearned tells the connection path to look programs up when the
-// adopted mw_unfit_progs holds any (its flag is not pinned: learning.h).
-func (a *Agent) markProgsLearned() error {
-	var key accelMwProg
-	var v accelMwUnfitProg
-	if !a.objs.MwUnfitProgs.Iterate().Next(&key, &v) {
-		return nil
-	}
-	if err := a.objs.ProgsLearned.Set(uint32(1)); err != nil {
-		return fmt.Errorf("set %s: %w", accelVarProgsLearned, err)
-	}
-	return nil
-}
