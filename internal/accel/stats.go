@@ -27,7 +27,8 @@ type Stats struct {
 	BPFRunSeconds float64 `json:"bpf_run_seconds"`
 	BPFRuns       uint64  `json:"bpf_runs"`
 	// UnfitProcesses names the processes that taught a learned reason
-	// (Counters.UnfitCalls): later connections on those sockets' ports stay on TCP.
+	// (Counters.UnfitCalls): later connections on those sockets' ports stay on
+	// TCP (and every later connection of their programs: LearnedPrograms).
 	UnfitProcesses []UnfitProcess `json:"unfit_processes,omitempty"`
 	// LearnedPrograms are the programs none of whose connections is paired
 	// any more (kept across agent restarts).
