@@ -5,7 +5,8 @@
  *
  * Attach points: mw_sockops on a cgroup v2 directory (BPF_CGROUP_SOCK_OPS),
  * mw_skmsg on mw_sock_hash (BPF_SK_MSG_VERDICT), mw_skmsg_tap in its place
- * while a tap runs; the programs of hints.h (mw_syn_in), learning.h,
+ * while a tap runs; the programs of hints.h (mw_syn_in), learning.h
+ * (mw_sock_create, mw_post_bind4/6, mw_setsockopt, the syscall watches),
  * observe_skb.h and fin_order.h (see there).
  * Kernel: >= 6.1 (BPF atomics (5.12), bpf_timer (5.15), sk_storage in sk_msg,
  * bpf_skc_to_tcp_sock in sock_ops; sockmap links from 6.10, else
@@ -18,7 +19,13 @@
  *   mw_stats        PERCPU_ARRAY           mw_counters
  *   mw_policy, mw_port_policy, mw_cidr_incl, mw_cidr_excl   policy
  *   mw_cgroup       CGROUP_ARRAY, mw_unfit_procs LRU_HASH     the syscall watches
+<<<<<<< HEAD
  *   mw_flows (observe.h); the tap's own, not pinned (tap.h)
+=======
+ *   mw_prog_store   SK_STORAGE (cloned to accepted sockets), mw_unfit_progs
+ *                   LRU_HASH, mw_learned_any ARRAY   learned programs (learning.h)
+ *   mw_flows, mw_obs_store (observe.h); the tap's own, not pinned (tap.h)
+>>>>>>> learn-prog
  *
  * Where each concern lives:
  *   accel.h        types shared with Go (bpf2go -type)
@@ -31,7 +38,8 @@
  *   leave.h        leaving mw_sock_hash for TCP, and the close
  *   tap.h          what mw_skmsg_tap records
  *   redirect.h     the sk_msg decision and redirect
- *   learning.h     mw_setsockopt and the syscall watches
+ *   learning.h     mw_sock_create, mw_post_bind4/6, mw_setsockopt, the
+ *                  syscall watches
  *   fin_order.h    mw_fin_order: a FIN waits for its socket's redirect in flight
  * This file declares the programs that tie them together: mw_sockops,
  * mw_skmsg and mw_skmsg_tap.

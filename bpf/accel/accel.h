@@ -380,6 +380,23 @@ struct mw_unfit_proc {
 	__u64 calls;
 };
 
+/*
+ * A program, named as the kernel names its task (comm) when it created the
+ * socket; an accepted socket carries its listener's (mw_prog_store). Programs
+ * with the same name are one program here. mw_prog_store value and
+ * mw_unfit_progs key.
+ */
+struct mw_prog {
+	char comm[16];
+};
+
+/* mw_unfit_progs value: what the program did that a redirect cannot honour. */
+struct mw_unfit_prog {
+	__u32 reason;   /* enum mw_reason, the first one learned */
+	__u32 pad;
+	__u64 kept_off; /* its connections left to TCP for it since */
+};
+
 /* mw_port_policy values. */
 enum mw_port_action {
 	MW_PORT_INCLUDE = 1,

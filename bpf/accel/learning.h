@@ -3,6 +3,15 @@
  * Learning what a redirect cannot honour, from the calls of the cgroup's
  * processes (included after redirect.h, whose helpers it uses).
  *
+ * mw_sock_create, mw_post_bind4/6 (cgroup/sock_create, post_bind4/6 on
+ *   the agent's cgroup, always attached): name the program that creates
+ *   each TCP socket, in the creating task's context (sock_ops runs in
+ *   softirq, where the current task is anyone). bind(2) names it again for
+ *   the TCP socket an MPTCP listener (Go's default since 1.24) binds and
+ *   accepts from: the kernel creates that subflow socket itself, past
+ *   sock_create. Learning names the program in mw_unfit_progs, and pairing
+ *   leaves every later connection of it to TCP, on any port.
+ *
  * mw_setsockopt (cgroup/setsockopt on the agent's cgroup, always attached):
  *   an option the redirect ignores, set on a socket in mw_sock_hash. If
  *   nothing was redirected on its connection yet, the connection continues
@@ -23,8 +32,9 @@
  *   counts only TCP's queue (that watch is attached only there). The
  *   connection that reveals it already runs; later
  *   connections on that socket's ports are left to TCP (mw_unfit_lport,
- *   mw_unfit_rport), and `meshwarp status` names the processes
- *   (mw_unfit_procs).
+ *   mw_unfit_rport), and so are those of the program (mw_unfit_progs: the
+ *   calling thread's name here, where the socket's record cannot be read);
+ *   `meshwarp status` names the processes (mw_unfit_procs) and programs.
  */
 #ifndef MESHWARP_LEARNING_H
 #define MESHWARP_LEARNING_H
@@ -64,10 +74,32 @@ static __always_inline bool in_sockmap(struct sock *sk)
 }
 
 /*
- * Learn that the process did `reason` on sk: later connections on sk's
- * ports are left to TCP, and the process is named in mw_unfit_procs.
+ * Learn that prog did `reason`: none of its later connections is paired.
+ * prog NULL: the calling thread's name. The first reason stays, so the
+ * connections kept off count under one reason however many it shows.
  */
-static __always_inline void learn_unfit_ports(__u32 lport, __u32 rport, __u32 reason)
+static __always_inline void learn_unfit_prog(const struct mw_prog *prog, __u32 reason)
+{
+	struct mw_unfit_prog init = { .reason = reason };
+	struct mw_prog cur = {};
+	__u32 zero = 0, *any;
+
+	if (!prog) {
+		bpf_get_current_comm(cur.comm, sizeof(cur.comm));
+		prog = &cur;
+	}
+	bpf_map_update_elem(&mw_unfit_progs, prog, &init, BPF_NOEXIST);
+	any = bpf_map_lookup_elem(&mw_learned_any, &zero);
+	if (any && !*any)
+		*any = 1;
+}
+
+/*
+ * Learn that the process did `reason` on sk: later connections on sk's
+ * ports, and of prog (NULL: the calling thread's), are left to TCP, and the
+ * process is named in mw_unfit_procs.
+ */
+static __always_inline void learn_unfit_ports(__u32 lport, __u32 rport, const struct mw_prog *prog, __u32 reason)
 {
 	struct mw_unfit_key key = { .tgid = bpf_get_current_pid_tgid() >> 32, .reason = reason };
 	struct mw_unfit_proc *p, init = {};
@@ -81,6 +113,7 @@ static __always_inline void learn_unfit_ports(__u32 lport, __u32 rport, __u32 re
 		bpf_map_update_elem(&mw_unfit_lport, &lport, &reason, BPF_ANY);
 	if (rport)
 		bpf_map_update_elem(&mw_unfit_rport, &rport, &reason, BPF_ANY);
+	learn_unfit_prog(prog, reason);
 	p = bpf_map_lookup_elem(&mw_unfit_procs, &key);
 	if (!p) {
 		bpf_get_current_comm(init.comm, sizeof(init.comm));
@@ -97,7 +130,7 @@ static __always_inline void learn_unfit(struct sock *sk, __u32 reason)
 	__u32 lport = BPF_CORE_READ(sk, __sk_common.skc_num);               /* host order */
 	__u32 rport = bpf_ntohs(BPF_CORE_READ(sk, __sk_common.skc_dport)); /* network order */
 
-	learn_unfit_ports(lport, rport, reason);
+	learn_unfit_ports(lport, rport, NULL, reason);
 }
 
 /* A syscall with flags on socket fd: learn when a flag needs what a redirect lacks. */
@@ -297,6 +330,7 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	struct bpf_sock *sk = ctx->sk;
 	void *val_p = ctx->optval, *end = ctx->optval_end;
 	struct mw_sk_state *st;
+	struct mw_prog *prog;
 	struct mw_conn *c;
 	__u32 reason;
 	int val = 0;
@@ -341,11 +375,43 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	 * connecting side's remote one (an ephemeral port says nothing about
 	 * later connections). src_port: host order; dst_port: network order.
 	 */
+	prog = bpf_sk_storage_get(&mw_prog_store, sk, 0, 0);
 	if (st->role == MW_ROLE_PASSIVE)
-		learn_unfit_ports(sk->src_port, 0, reason);
+		learn_unfit_ports(sk->src_port, 0, prog, reason);
 	else
-		learn_unfit_ports(0, bpf_ntohs(sk->dst_port), reason);
+		learn_unfit_ports(0, bpf_ntohs(sk->dst_port), prog, reason);
 	return 1;
+}
+
+/* Record the calling program on a TCP socket (see the header). Never refuses. */
+static __always_inline int record_prog(struct bpf_sock *ctx)
+{
+	struct mw_prog *prog;
+
+	if (!accelerate || ctx->protocol != IPPROTO_TCP)
+		return 1;
+	prog = bpf_sk_storage_get(&mw_prog_store, ctx, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (prog)
+		bpf_get_current_comm(prog->comm, sizeof(prog->comm));
+	return 1;
+}
+
+SEC("cgroup/sock_create")
+int mw_sock_create(struct bpf_sock *ctx)
+{
+	return record_prog(ctx);
+}
+
+SEC("cgroup/post_bind4")
+int mw_post_bind4(struct bpf_sock *ctx)
+{
+	return record_prog(ctx);
+}
+
+SEC("cgroup/post_bind6")
+int mw_post_bind6(struct bpf_sock *ctx)
+{
+	return record_prog(ctx);
 }
 
 #endif /* MESHWARP_LEARNING_H */

@@ -205,6 +205,45 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } mw_unfit_rport SEC(".maps");
 
+/*
+ * The program that created each TCP socket of the cgroup (mw_sock_create).
+ * BPF_F_CLONE: a socket accepted from a listener starts with a copy of the
+ * listener's record (sk_clone_lock -> bpf_sk_storage_clone), so a server's
+ * accepted sockets name the server.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC | BPF_F_CLONE);
+	__type(key, int);
+	__type(value, struct mw_prog);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_prog_store SEC(".maps");
+
+/*
+ * Programs that did what a redirect cannot honour: none of their later
+ * connections is paired, on any port (pairing.h, prog_unfit). Pinned, so
+ * what was learned outlives the agent.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 256);
+	__type(key, struct mw_prog);
+	__type(value, struct mw_unfit_prog);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_unfit_progs SEC(".maps");
+
+/*
+ * 0 -> whether mw_unfit_progs may hold anything: while not, the connection
+ * path skips its lookup (an array lookup is inlined). Pinned with it.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_learned_any SEC(".maps");
+
 static __always_inline struct mw_counters *counters(void)
 {
 	__u32 zero = 0;

@@ -28,6 +28,10 @@
  * active side redirects only after it saw PAIRED, so no stream is ever split
  * between the two paths.
  *
+ * Either side's own unfitness keeps the connection off before step 1 or in
+ * step 2: options on the socket, a learned port, a learned program (the one
+ * that created the socket, or its listener: learning.h).
+ *
  * Sockets that will not be paired leave mw_sock_hash, so the kernel gives
  * them plain TCP back (tcp_bpf's FIONREAD, sendmsg and splice differ). A
  * socket is removed only when its connection is PASSTHROUGH, a final state:
@@ -164,6 +168,30 @@ static __always_inline bool wrote_early(struct bpf_sock *sk, __u32 snd_nxt)
 	return tp->write_seq != snd_nxt || tp->bytes_sent != 0;
 }
 
+/*
+ * What the program that created the socket (for an accepted one: its
+ * listener) taught (learning.h), or 0. One socket-storage read and one hash
+ * lookup, only once anything was learned.
+ */
+static __always_inline __u32 prog_unfit(struct bpf_sock *sk)
+{
+	struct mw_unfit_prog *u;
+	struct mw_prog *prog;
+	__u32 zero = 0, *any;
+
+	any = bpf_map_lookup_elem(&mw_learned_any, &zero);
+	if (!any || !*any)
+		return 0;
+	prog = bpf_sk_storage_get(&mw_prog_store, sk, 0, 0);
+	if (!prog)
+		return 0; /* created before the agent, or outside the cgroup */
+	u = bpf_map_lookup_elem(&mw_unfit_progs, prog);
+	if (!u)
+		return 0;
+	__sync_fetch_and_add(&u->kept_off, 1);
+	return u->reason;
+}
+
 /* Give up on a PENDING connection; whoever wins the cmpxchg writes the reason. */
 static __always_inline void conn_passthrough(struct mw_conn *c, __u32 reason)
 {
@@ -237,6 +265,11 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	learned = bpf_map_lookup_elem(&mw_unfit_rport, &t.remote.port_host);
 	if (learned) {
 		keep_off(*learned);
+		return;
+	}
+	reason = prog_unfit(sk);
+	if (reason) {
+		keep_off(reason);
 		return;
 	}
 	if (!hinted) {
@@ -390,6 +423,11 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	learned = bpf_map_lookup_elem(&mw_unfit_lport, &t.local.port_host);
 	if (learned) {
 		passive_gives_up(&id, c, *learned);
+		return;
+	}
+	reason = prog_unfit(sk);
+	if (reason) {
+		passive_gives_up(&id, c, reason);
 		return;
 	}
 	/*

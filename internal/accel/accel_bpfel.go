@@ -161,6 +161,11 @@ type accelMwPolicyCfg struct {
 	IncludeCidrsSet uint32
 }
 
+type accelMwProg struct {
+	_    structs.HostLayout
+	Comm [16]int8
+}
+
 type accelMwProto uint32
 
 const (
@@ -306,6 +311,13 @@ type accelMwUnfitProc struct {
 	Calls uint64
 }
 
+type accelMwUnfitProg struct {
+	_       structs.HostLayout
+	Reason  uint32
+	Pad     uint32
+	KeptOff uint64
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -316,8 +328,10 @@ const (
 	accelMapMwConnecting           = "mw_connecting"
 	accelMapMwConns                = "mw_conns"
 	accelMapMwFlows                = "mw_flows"
+	accelMapMwLearnedAny           = "mw_learned_any"
 	accelMapMwPolicy               = "mw_policy"
 	accelMapMwPortPolicy           = "mw_port_policy"
+	accelMapMwProgStore            = "mw_prog_store"
 	accelMapMwSkStore              = "mw_sk_store"
 	accelMapMwSockHash             = "mw_sock_hash"
 	accelMapMwStats                = "mw_stats"
@@ -326,15 +340,19 @@ const (
 	accelMapMwTapScratch           = "mw_tap_scratch"
 	accelMapMwUnfitLport           = "mw_unfit_lport"
 	accelMapMwUnfitProcs           = "mw_unfit_procs"
+	accelMapMwUnfitProgs           = "mw_unfit_progs"
 	accelMapMwUnfitRport           = "mw_unfit_rport"
 	accelMapMwUnhinted             = "mw_unhinted"
 	accelProgMwFinOrder            = "mw_fin_order"
 	accelProgMwObsEgress           = "mw_obs_egress"
 	accelProgMwObsIngress          = "mw_obs_ingress"
 	accelProgMwObsRecv             = "mw_obs_recv"
+	accelProgMwPostBind4           = "mw_post_bind4"
+	accelProgMwPostBind6           = "mw_post_bind6"
 	accelProgMwSetsockopt          = "mw_setsockopt"
 	accelProgMwSkmsg               = "mw_skmsg"
 	accelProgMwSkmsgTap            = "mw_skmsg_tap"
+	accelProgMwSockCreate          = "mw_sock_create"
 	accelProgMwSockops             = "mw_sockops"
 	accelProgMwSynIn               = "mw_syn_in"
 	accelProgMwSysClose            = "mw_sys_close"
@@ -410,9 +428,12 @@ type accelProgramSpecs struct {
 	MwObsEgress   *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
 	MwObsIngress  *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
 	MwObsRecv     *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
+	MwPostBind4   *ebpf.ProgramSpec `ebpf:"mw_post_bind4"`
+	MwPostBind6   *ebpf.ProgramSpec `ebpf:"mw_post_bind6"`
 	MwSetsockopt  *ebpf.ProgramSpec `ebpf:"mw_setsockopt"`
 	MwSkmsg       *ebpf.ProgramSpec `ebpf:"mw_skmsg"`
 	MwSkmsgTap    *ebpf.ProgramSpec `ebpf:"mw_skmsg_tap"`
+	MwSockCreate  *ebpf.ProgramSpec `ebpf:"mw_sock_create"`
 	MwSockops     *ebpf.ProgramSpec `ebpf:"mw_sockops"`
 	MwSynIn       *ebpf.ProgramSpec `ebpf:"mw_syn_in"`
 	MwSysClose    *ebpf.ProgramSpec `ebpf:"mw_sys_close"`
@@ -437,8 +458,10 @@ type accelMapSpecs struct {
 	MwConnecting  *ebpf.MapSpec `ebpf:"mw_connecting"`
 	MwConns       *ebpf.MapSpec `ebpf:"mw_conns"`
 	MwFlows       *ebpf.MapSpec `ebpf:"mw_flows"`
+	MwLearnedAny  *ebpf.MapSpec `ebpf:"mw_learned_any"`
 	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
+	MwProgStore   *ebpf.MapSpec `ebpf:"mw_prog_store"`
 	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
 	MwSockHash    *ebpf.MapSpec `ebpf:"mw_sock_hash"`
 	MwStats       *ebpf.MapSpec `ebpf:"mw_stats"`
@@ -447,6 +470,7 @@ type accelMapSpecs struct {
 	MwTapScratch  *ebpf.MapSpec `ebpf:"mw_tap_scratch"`
 	MwUnfitLport  *ebpf.MapSpec `ebpf:"mw_unfit_lport"`
 	MwUnfitProcs  *ebpf.MapSpec `ebpf:"mw_unfit_procs"`
+	MwUnfitProgs  *ebpf.MapSpec `ebpf:"mw_unfit_progs"`
 	MwUnfitRport  *ebpf.MapSpec `ebpf:"mw_unfit_rport"`
 	MwUnhinted    *ebpf.MapSpec `ebpf:"mw_unhinted"`
 }
@@ -498,8 +522,10 @@ type accelMaps struct {
 	MwConnecting  *ebpf.Map `ebpf:"mw_connecting"`
 	MwConns       *ebpf.Map `ebpf:"mw_conns"`
 	MwFlows       *ebpf.Map `ebpf:"mw_flows"`
+	MwLearnedAny  *ebpf.Map `ebpf:"mw_learned_any"`
 	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
+	MwProgStore   *ebpf.Map `ebpf:"mw_prog_store"`
 	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
 	MwSockHash    *ebpf.Map `ebpf:"mw_sock_hash"`
 	MwStats       *ebpf.Map `ebpf:"mw_stats"`
@@ -508,6 +534,7 @@ type accelMaps struct {
 	MwTapScratch  *ebpf.Map `ebpf:"mw_tap_scratch"`
 	MwUnfitLport  *ebpf.Map `ebpf:"mw_unfit_lport"`
 	MwUnfitProcs  *ebpf.Map `ebpf:"mw_unfit_procs"`
+	MwUnfitProgs  *ebpf.Map `ebpf:"mw_unfit_progs"`
 	MwUnfitRport  *ebpf.Map `ebpf:"mw_unfit_rport"`
 	MwUnhinted    *ebpf.Map `ebpf:"mw_unhinted"`
 }
@@ -520,8 +547,10 @@ func (m *accelMaps) Close() error {
 		m.MwConnecting,
 		m.MwConns,
 		m.MwFlows,
+		m.MwLearnedAny,
 		m.MwPolicy,
 		m.MwPortPolicy,
+		m.MwProgStore,
 		m.MwSkStore,
 		m.MwSockHash,
 		m.MwStats,
@@ -530,6 +559,7 @@ func (m *accelMaps) Close() error {
 		m.MwTapScratch,
 		m.MwUnfitLport,
 		m.MwUnfitProcs,
+		m.MwUnfitProgs,
 		m.MwUnfitRport,
 		m.MwUnhinted,
 	)
@@ -564,9 +594,12 @@ type accelPrograms struct {
 	MwObsEgress   *ebpf.Program `ebpf:"mw_obs_egress"`
 	MwObsIngress  *ebpf.Program `ebpf:"mw_obs_ingress"`
 	MwObsRecv     *ebpf.Program `ebpf:"mw_obs_recv"`
+	MwPostBind4   *ebpf.Program `ebpf:"mw_post_bind4"`
+	MwPostBind6   *ebpf.Program `ebpf:"mw_post_bind6"`
 	MwSetsockopt  *ebpf.Program `ebpf:"mw_setsockopt"`
 	MwSkmsg       *ebpf.Program `ebpf:"mw_skmsg"`
 	MwSkmsgTap    *ebpf.Program `ebpf:"mw_skmsg_tap"`
+	MwSockCreate  *ebpf.Program `ebpf:"mw_sock_create"`
 	MwSockops     *ebpf.Program `ebpf:"mw_sockops"`
 	MwSynIn       *ebpf.Program `ebpf:"mw_syn_in"`
 	MwSysClose    *ebpf.Program `ebpf:"mw_sys_close"`
@@ -587,9 +620,12 @@ func (p *accelPrograms) Close() error {
 		p.MwObsEgress,
 		p.MwObsIngress,
 		p.MwObsRecv,
+		p.MwPostBind4,
+		p.MwPostBind6,
 		p.MwSetsockopt,
 		p.MwSkmsg,
 		p.MwSkmsgTap,
+		p.MwSockCreate,
 		p.MwSockops,
 		p.MwSynIn,
 		p.MwSysClose,

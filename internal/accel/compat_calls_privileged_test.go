@@ -166,7 +166,7 @@ var callRows = []compatRow{
 		},
 		limitedAt: []compatMoment{momentFirst, momentPaired},
 		limit: "recv returns what has arrived (tcp_bpf_recvmsg does not loop for MSG_WAITALL; docs/kernel/01-msg-waitall.md); " +
-			"with `run --learn-from-syscalls` later connections on its ports stay on TCP",
+			"with `run --learn-from-syscalls` later connections on its ports, and the program's on any port, stay on TCP",
 	},
 	{
 		name: "MSG_OOB",
@@ -194,7 +194,7 @@ var callRows = []compatRow{
 		},
 		limitedAt: []compatMoment{momentFirst, momentPaired},
 		limit: "the urgent byte arrives inline and recv(MSG_OOB) returns normal data (the redirect, bpf_tcp_ingress, drops the flag, and tcp_bpf_recvmsg ignores it; docs/kernel/02-msg-oob.md); " +
-			"with `run --learn-from-syscalls` later connections on its ports stay on TCP",
+			"with `run --learn-from-syscalls` later connections on its ports, and the program's on any port, stay on TCP",
 	},
 	{
 		name: "SO_OOBINLINE", readsFIONREAD: true, reason: "oob",
@@ -256,7 +256,7 @@ var callRows = []compatRow{
 		},
 		limitedAt: []compatMoment{momentFirst, momentPaired},
 		limit: "the peer sees FIN, not RST (tcp_close counts only sk_receive_queue as unread, not the redirect queue; docs/kernel/03-close-unread-rst.md); " +
-			"with `run --learn-from-syscalls` later connections on its ports stay on TCP",
+			"with `run --learn-from-syscalls` later connections on its ports, and the program's on any port, stay on TCP",
 	},
 	{
 		name: "shutdown racing send", repeat: 60,
@@ -390,7 +390,7 @@ var callRows = []compatRow{
 		},
 		limitedAt: []compatMoment{momentFirst, momentPaired},
 		limit: "splice finds nothing: the bytes wait in the redirect queue, which tcp_splice_read does not read (docs/kernel/04-splice.md); " +
-			"with `run --learn-from-syscalls` later connections on its ports stay on TCP",
+			"with `run --learn-from-syscalls` later connections on its ports, and the program's on any port, stay on TCP",
 	},
 	{
 		name: "sendfile",

@@ -353,9 +353,34 @@ func TestPrivilegedCompat(t *testing.T) {
 						}
 					}
 				})
+				if a != nil {
+					forgetPrograms(t, a)
+				}
 			}
 		}
 	})
+}
+
+// forgetPrograms empties the agent's learned programs. Every row's
+// connections come from this one test program, and a row set after bytes
+// were redirected teaches it (on purpose, on its own fresh ports): the next
+// row would find it learned instead of pairing.
+func forgetPrograms(t *testing.T, a *Agent) {
+	t.Helper()
+	var (
+		key  accelMwProg
+		v    accelMwUnfitProg
+		keys []accelMwProg
+	)
+	it := a.objs.MwUnfitProgs.Iterate()
+	for it.Next(&key, &v) {
+		keys = append(keys, key)
+	}
+	for _, k := range keys {
+		if err := a.objs.MwUnfitProgs.Delete(k); err != nil {
+			t.Fatalf("forget %s: %v", commString(k.Comm), err)
+		}
+	}
 }
 
 // readOOB waits for the peer's FIN, takes the urgent byte if there is one

@@ -105,7 +105,8 @@ type Config struct {
 	// LearnFromSyscalls attaches the syscall watches (watch.go): what a
 	// process of the cgroup does on an accelerated socket with splice(2),
 	// MSG_WAITALL, MSG_OOB, close() with unread bytes or connect(AF_UNSPEC)
-	// keeps later connections on that socket's ports on TCP. Off by default:
+	// keeps later connections on that socket's ports, and every later
+	// connection of that program, on TCP (mw_unfit_progs). Off by default:
 	// syscall tracepoints put every process of the node on the kernel's
 	// syscall tracing path (docs/BENCHMARKS.md).
 	LearnFromSyscalls bool

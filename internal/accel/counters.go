@@ -129,7 +129,7 @@ var counterModel = []Counter{
 		Help:   "splice(2) reads from sockets by processes of the accelerated cgroup (such readers cannot see redirected bytes).",
 		scalar: func(c *Counters) *uint64 { return &c.SpliceSocketReads }},
 	{Key: "unfit_calls_by_reason", Metric: "meshwarp_accel_unfit_calls_total", Label: LabelReason, field: "UnfitCalls",
-		Help:  "Calls on accelerated sockets that a redirect cannot honour (splice, MSG_WAITALL, MSG_OOB, SO_RCVLOWAT, close with unread bytes), by the reason they teach: later connections on those ports stay on TCP.",
+		Help:  "Calls on accelerated sockets that a redirect cannot honour (splice, MSG_WAITALL, MSG_OOB, SO_RCVLOWAT, close with unread bytes), by the reason they teach: later connections on those ports, and of those programs, stay on TCP.",
 		split: func(c *Counters) *map[string]uint64 { return &c.UnfitCalls }},
 }
 

@@ -9,11 +9,13 @@ import (
 	"net"
 	"os"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -162,43 +164,48 @@ func TestPrivilegedFaithfulLearnedWaitall(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	learnedCase(t, "waitall_reader", func(t *testing.T, client, _ net.Conn) {
 		onFD(t, client, func(fd int) { unix.Recvfrom(fd, make([]byte, 10), unix.MSG_WAITALL|unix.MSG_DONTWAIT) })
-	}, func(t *testing.T, client, server net.Conn) {
-		buf := make([]byte, 8000)
-		done := blockingCall(t, client, unix.SYS_RECVFROM, func(fd int) (int, error) {
-			n, _, err := unix.Recvfrom(fd, buf, unix.MSG_WAITALL)
-			return n, err
-		})
-		piece := make([]byte, 1000)
-		for i := range 8 {
-			for j := range piece {
-				piece[j] = byte(i)
-			}
-			if _, err := server.Write(piece); err != nil {
-				t.Fatal(err)
-			}
-			// Let the reader take this piece before the next one comes, so a
-			// recv that returns early shows: wait until nothing is queued
-			// (the reader holds it) or the recv returned.
-			deadline := time.Now().Add(10 * time.Second)
-			for len(done) == 0 {
-				if n, err := inq(client); err == nil && n == 0 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatal("the blocked reader never took the piece")
-				}
-				time.Sleep(time.Millisecond) // polling interval
-			}
-		}
-		if err := <-done; err.Error() != "returned 8000" {
-			t.Fatalf("recv(8000, MSG_WAITALL): %v, want 8000 bytes", err)
-		}
-		for i := range 8 {
-			if buf[i*1000] != byte(i) || buf[i*1000+999] != byte(i) {
-				t.Fatalf("piece %d out of place", i)
-			}
-		}
+	}, func(t *testing.T, client, server net.Conn) { checkWaitall(t, client, server) })
+}
+
+// checkWaitall: a blocking recv(8000, MSG_WAITALL) on r, with w writing in
+// 1000-byte pieces, returns 8000.
+func checkWaitall(t *testing.T, r, w net.Conn) {
+	t.Helper()
+	buf := make([]byte, 8000)
+	done := blockingCall(t, r, unix.SYS_RECVFROM, func(fd int) (int, error) {
+		n, _, err := unix.Recvfrom(fd, buf, unix.MSG_WAITALL)
+		return n, err
 	})
+	piece := make([]byte, 1000)
+	for i := range 8 {
+		for j := range piece {
+			piece[j] = byte(i)
+		}
+		if _, err := w.Write(piece); err != nil {
+			t.Fatal(err)
+		}
+		// Let the reader take this piece before the next one comes, so a
+		// recv that returns early shows: wait until nothing is queued
+		// (the reader holds it) or the recv returned.
+		deadline := time.Now().Add(10 * time.Second)
+		for len(done) == 0 {
+			if n, err := inq(r); err == nil && n == 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the blocked reader never took the piece")
+			}
+			time.Sleep(time.Millisecond) // polling interval
+		}
+	}
+	if err := <-done; err.Error() != "returned 8000" {
+		t.Fatalf("recv(8000, MSG_WAITALL): %v, want 8000 bytes", err)
+	}
+	for i := range 8 {
+		if buf[i*1000] != byte(i) || buf[i*1000+999] != byte(i) {
+			t.Fatalf("piece %d out of place", i)
+		}
+	}
 }
 
 // send("!", MSG_OOB) between "abc" and "def": the receiver reads "!" with
@@ -306,4 +313,130 @@ func TestPrivilegedFaithfulLearnedFIONREAD(t *testing.T) {
 	learnedCase(t, "fionread_reader", func(t *testing.T, client, _ net.Conn) {
 		fdIoctl(t, client, unix.SIOCINQ)
 	}, check)
+}
+
+// asProgram runs fn on a thread of its own that the kernel names name
+// (PR_SET_NAME, at most 15 bytes): the sockets fn creates belong to that
+// program, not to accel.test. The thread stays locked and so ends with fn:
+// no other goroutine ever runs under the name. t fails after fn when fn failed.
+func asProgram(t *testing.T, name string, fn func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		runtime.LockOSThread()
+		b := append([]byte(name), 0)
+		if err := unix.Prctl(unix.PR_SET_NAME, uintptr(unsafe.Pointer(&b[0])), 0, 0, 0); err != nil {
+			t.Errorf("name the thread %s: %v", name, err)
+			return
+		}
+		fn()
+	}()
+	<-done
+	if t.Failed() {
+		t.FailNow()
+	}
+}
+
+// learnedProgram is the agent's entry for the program called comm, if any.
+func learnedProgram(t *testing.T, a *Agent, comm string) (LearnedProgram, bool) {
+	t.Helper()
+	for _, p := range stats(t, a).LearnedPrograms {
+		if p.Comm == comm {
+			return p, true
+		}
+	}
+	return LearnedProgram{}, false
+}
+
+// keptOff requires that client and server form a connection left to TCP
+// for reason, counted once, with neither socket in the SOCKHASH.
+func keptOff(t *testing.T, a *Agent, before Stats, reason string, client, server net.Conn) {
+	t.Helper()
+	requireOutsideSockhash(t, a, client, server)
+	if d := stats(t, a).Sub(before); d.PassthroughConnections[reason] != 1 {
+		t.Fatalf("the connection was not left to TCP as %s once: %v", reason, nonZero(d.PassthroughConnections))
+	}
+}
+
+// A program that showed, on one port, that it reads with MSG_WAITALL gets
+// plain TCP on its first connection on any other port, as server and as
+// client, also under the next agent, which adopts what was learned; another
+// program on the same ports is still paired. The teacher is a thread named
+// mw-teacher, so this agent never learns accel.test itself.
+func TestPrivilegedLearnedProgramAnyPort(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	const teacher, reason = "mw-teacher", "waitall_reader"
+	a := startAgent(t, Config{LearnFromSyscalls: true})
+	asProgram(t, teacher, func() {
+		lnA := mustListen(t, "127.0.0.1:0")
+		defer lnA.Close()
+		c, s := pairedConn(t, a, lnA, dialer(lnA.Addr().String()))
+		defer c.Close()
+		defer s.Close()
+		onFD(t, c, func(fd int) { unix.Recvfrom(fd, make([]byte, 10), unix.MSG_WAITALL|unix.MSG_DONTWAIT) })
+	})
+	if p, ok := learnedProgram(t, a, teacher); !ok || p.Reason != reason {
+		t.Fatalf("the agent did not learn %s as %s: %+v", teacher, reason, stats(t, a).LearnedPrograms)
+	}
+	if _, ok := learnedProgram(t, a, "accel.test"); ok {
+		t.Fatal("the agent learned accel.test, which only dialled and accepted")
+	}
+
+	// As server: the teacher's listener on a fresh port, another program dials.
+	var lnB net.Listener
+	asProgram(t, teacher, func() { lnB = mustListen(t, "127.0.0.1:0") })
+	before := stats(t, a)
+	client, server := acceptedConn(t, lnB)
+	keptOff(t, a, before, reason, client, server)
+	checkWaitall(t, server, client)
+	portB := lnB.Addr().String()
+	client.Close()
+	server.Close()
+	lnB.Close()
+
+	// Another program on that port is paired: the port was not learned.
+	lnB2 := mustListen(t, portB)
+	defer lnB2.Close()
+	c, s := pairedConn(t, a, lnB2, dialer(portB))
+	c.Close()
+	s.Close()
+
+	// As client: the teacher dials another program's listener on a fresh port.
+	lnC := mustListen(t, "127.0.0.1:0")
+	defer lnC.Close()
+	before = stats(t, a)
+	asProgram(t, teacher, func() { client, server = acceptedConn(t, lnC) })
+	keptOff(t, a, before, reason, client, server)
+	checkWaitall(t, client, server)
+	if p, _ := learnedProgram(t, a, teacher); p.KeptOffConnections != 2 {
+		t.Fatalf("%s: %d connections kept off, want 2", teacher, p.KeptOffConnections)
+	}
+
+	// The next agent adopts what was learned: status says it from the pins,
+	// and the teacher's first connection on yet another port stays on TCP.
+	cfg := a.cfg
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	pinned, err := ReadPinnedStats(cfg.PinDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.ContainsFunc(pinned.LearnedPrograms, func(p LearnedProgram) bool { return p.Comm == teacher && p.Reason == reason }) {
+		t.Fatalf("status between agents does not name %s: %+v", teacher, pinned.LearnedPrograms)
+	}
+	b := startAgent(t, cfg)
+	if !b.Adopted {
+		t.Fatal("the second agent did not adopt the first one's pins")
+	}
+	lnD := mustListen(t, "127.0.0.1:0")
+	defer lnD.Close()
+	before = stats(t, b)
+	asProgram(t, teacher, func() { client, server = acceptedConn(t, lnD) })
+	keptOff(t, b, before, reason, client, server)
+	checkWaitall(t, client, server)
+	c, s = pairedConn(t, b, lnD, dialer(lnD.Addr().String()))
+	c.Close()
+	s.Close()
 }

@@ -27,6 +27,9 @@ const (
 	SockoptLinkPin    = "mw_sockopt_link"     // mw_setsockopt on the cgroup
 	FinLinkPin        = "mw_fin_link"         // mw_fin_order on the cgroup
 	SynLinkPin        = "mw_syn_link"         // mw_syn_in on the cgroup
+	ProgLinkPin       = "mw_prog_link"        // mw_sock_create on the cgroup
+	Bind4LinkPin      = "mw_bind4_link"       // mw_post_bind4 on the cgroup
+	Bind6LinkPin      = "mw_bind6_link"       // mw_post_bind6 on the cgroup
 	SkmsgLinkPin      = "mw_skmsg_link"       // mw_skmsg on mw_sock_hash (mw_skmsg_tap while a tap runs)
 	ObsEgressLinkPin  = "mw_obs_egress_link"  // mw_obs_egress on the cgroup (--observe)
 	ObsIngressLinkPin = "mw_obs_ingress_link" // mw_obs_ingress on the cgroup (--observe)
@@ -34,7 +37,7 @@ const (
 )
 
 // linkPins are every link meshwarp pins, in the order they are removed.
-var linkPins = []string{SockopsLinkPin, SockoptLinkPin, FinLinkPin, SynLinkPin, SkmsgLinkPin, ObsEgressLinkPin, ObsIngressLinkPin, ObsRecvLinkPin}
+var linkPins = []string{SockopsLinkPin, SockoptLinkPin, FinLinkPin, SynLinkPin, ProgLinkPin, Bind4LinkPin, Bind6LinkPin, SkmsgLinkPin, ObsEgressLinkPin, ObsIngressLinkPin, ObsRecvLinkPin}
 
 // preparePinDir makes sure dir exists on a bpf filesystem and is writable.
 func preparePinDir(dir string) (created bool, err error) {
@@ -130,10 +133,14 @@ type cgroupHook struct {
 }
 
 // cgroupHooks are the cgroup hooks of the data path, in attach order: the
-// SYN notes before any socket may need them (bpf/accel/hints.h), setsockopt
-// learning (learning.h), the FIN order (fin_order.h).
+// program of each new socket, recorded before sock_ops reads it, and the
+// SYN notes before any socket may need them (bpf/accel/learning.h,
+// hints.h), setsockopt learning (learning.h), the FIN order (fin_order.h).
 func cgroupHooks(o *accelObjects) []cgroupHook {
 	return []cgroupHook{
+		{ProgLinkPin, o.MwSockCreate, ebpf.AttachCGroupInetSockCreate, "cgroup sock_create (socket programs)"},
+		{Bind4LinkPin, o.MwPostBind4, ebpf.AttachCGroupInet4PostBind, "cgroup post_bind4 (socket programs)"},
+		{Bind6LinkPin, o.MwPostBind6, ebpf.AttachCGroupInet6PostBind, "cgroup post_bind6 (socket programs)"},
 		{SynLinkPin, o.MwSynIn, ebpf.AttachCGroupInetIngress, "cgroup ingress (SYN notes)"},
 		{SockoptLinkPin, o.MwSetsockopt, ebpf.AttachCGroupSetsockopt, "cgroup setsockopt"},
 		{FinLinkPin, o.MwFinOrder, ebpf.AttachCGroupInetEgress, "cgroup egress (FIN order)"},

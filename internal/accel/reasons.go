@@ -13,7 +13,8 @@ import (
 type reasonDoc struct {
 	name, text string
 	// learned: taught by a process's call on an accelerated socket
-	// (run --learn-from-syscalls); later connections on its port stay on TCP.
+	// (run --learn-from-syscalls); later connections on its port, and of its
+	// program, stay on TCP.
 	learned bool
 	// note follows the reason, about it and those before it.
 	note string
@@ -38,7 +39,7 @@ var reasonDocs = []reasonDoc{
 	{name: "tcp_inq", text: "TCP_INQ was set; redirected bytes carry no TCP_CM_INQ message"},
 	{name: "timestamp", text: "SO_TIMESTAMP(NS) or SO_TIMESTAMPING was set; redirected bytes carry no timestamps"},
 	{name: "zerocopy", text: "SO_ZEROCOPY was set; MSG_ZEROCOPY completions never come for redirected bytes",
-		note: "rcvlowat, peek_off, tcp_inq, timestamp and zerocopy are seen on the socket when it is established (set before connect(), or inherited from the listener) and, later, by a cgroup setsockopt hook: before any byte was redirected the connection simply stays on TCP; after, it moves to TCP at its next switch point and the ports are learned for later connections"},
+		note: "rcvlowat, peek_off, tcp_inq, timestamp and zerocopy are seen on the socket when it is established (set before connect(), or inherited from the listener) and, later, by a cgroup setsockopt hook: before any byte was redirected the connection simply stays on TCP; after, it moves to TCP at its next switch point and the ports and the program are learned for later connections"},
 	{name: "policy", text: "excluded by port/CIDR policy (connections only)"},
 	{name: "hint_missed", text: "both ends are in the cgroup, but no listener of the cgroup received the connecting socket's own SYN (its note was evicted, or the SYN took a path past the cgroup)"},
 	{name: "early_data", text: "bytes were written before the connection was established (TCP Fast Open, a write racing connect): they went by TCP, so that direction stays on TCP"},
@@ -51,7 +52,7 @@ var reasonDocs = []reasonDoc{
 }
 
 // learnedWhat introduces the learned reasons.
-const learnedWhat = "a process did this on an accelerated socket of the same port, which the redirect cannot honour; later connections on that port stay on TCP"
+const learnedWhat = "a process did this on an accelerated socket of the same port or program, which the redirect cannot honour; later connections on that port stay on TCP, and so does every later connection of that program (the task name that created the socket, or its listener), on any port"
 
 // ReasonHelp returns what a passthrough reason means ("" for an unknown one).
 func ReasonHelp(name string) string {

@@ -27,8 +27,12 @@ type Stats struct {
 	BPFRunSeconds float64 `json:"bpf_run_seconds"`
 	BPFRuns       uint64  `json:"bpf_runs"`
 	// UnfitProcesses names the processes that taught a learned reason
-	// (Counters.UnfitCalls): later connections on those sockets' ports stay on TCP.
+	// (Counters.UnfitCalls): later connections on those sockets' ports stay on
+	// TCP (and every later connection of their programs: LearnedPrograms).
 	UnfitProcesses []UnfitProcess `json:"unfit_processes,omitempty"`
+	// LearnedPrograms are the programs none of whose connections is paired
+	// any more (kept across agent restarts).
+	LearnedPrograms []LearnedProgram `json:"learned_programs,omitempty"`
 	// OtherSockmapPrograms lists sock_ops and sk_msg programs on this node
 	// that are not meshwarp's (filled by ReadPinnedStats).
 	OtherSockmapPrograms []ProgramRef `json:"other_sockmap_programs,omitempty"`
@@ -120,6 +124,10 @@ func ReadPinnedStats(pinDir string) (Stats, error) {
 		return s, err
 	}
 	s.UnfitProcesses, err = pinnedUnfitProcesses(pinDir)
+	if err != nil {
+		return s, err
+	}
+	s.LearnedPrograms, err = pinnedLearnedPrograms(pinDir)
 	if err != nil {
 		return s, err
 	}
@@ -279,7 +287,11 @@ func (a *Agent) Stats() (Stats, error) {
 		return s, err
 	}
 	s.UnfitProcesses, err = readUnfitProcesses(a.objs.MwUnfitProcs)
-	for _, p := range []*ebpf.Program{a.objs.MwSockops, a.objs.MwSkmsg, a.objs.MwSetsockopt, a.objs.MwFinOrder, a.objs.MwSynIn, a.objs.MwObsEgress, a.objs.MwObsIngress, a.objs.MwObsRecv,
+	if err != nil {
+		return s, err
+	}
+	s.LearnedPrograms, err = readLearnedPrograms(a.objs.MwUnfitProgs)
+	for _, p := range []*ebpf.Program{a.objs.MwSockops, a.objs.MwSkmsg, a.objs.MwSetsockopt, a.objs.MwSockCreate, a.objs.MwPostBind4, a.objs.MwPostBind6, a.objs.MwFinOrder, a.objs.MwSynIn, a.objs.MwObsEgress, a.objs.MwObsIngress, a.objs.MwObsRecv,
 		a.objs.MwSysSplice, a.objs.MwSysRecvfrom, a.objs.MwSysRecvmsg, a.objs.MwSysRecvmmsg, a.objs.MwSysSendto,
 		a.objs.MwSysSendmsg, a.objs.MwSysSendmmsg, a.objs.MwSysClose, a.objs.MwSysConnect, a.objs.MwSysIoctl} {
 		if ps, perr := p.Stats(); perr == nil {

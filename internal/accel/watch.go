@@ -33,6 +33,17 @@ type UnfitProcess struct {
 	Calls  uint64 `json:"calls"`
 }
 
+// LearnedProgram is a program (the name of the task that created its
+// sockets; for accepted sockets, their listener's) that did what a redirect
+// cannot honour (Reason, the first one learned): none of its later
+// connections is paired, on any port, across agent restarts.
+// KeptOffConnections counts its connections left to TCP since.
+type LearnedProgram struct {
+	Comm               string `json:"comm"`
+	Reason             string `json:"reason"`
+	KeptOffConnections uint64 `json:"kept_off_connections"`
+}
+
 // syscallWatches are the tracepoints (syscalls:sys_enter_*) that learn
 // unfit sockets, by program. ioctl(FIONREAD) is watched only on kernels
 // where it leaves out redirected bytes (probe.HaveMsgTotLen).
@@ -133,4 +144,51 @@ func pinnedUnfitProcesses(pinDir string) ([]UnfitProcess, error) {
 	}
 	defer m.Close()
 	return readUnfitProcesses(m)
+}
+
+// commString is a kernel task name without its padding.
+func commString(c [16]int8) string {
+	b := make([]byte, 0, len(c))
+	for _, x := range c {
+		if x == 0 {
+			break
+		}
+		b = append(b, byte(x))
+	}
+	return string(b)
+}
+
+// readLearnedPrograms lists mw_unfit_progs, by name.
+func readLearnedPrograms(m *ebpf.Map) ([]LearnedProgram, error) {
+	var out []LearnedProgram
+	var key accelMwProg
+	var v accelMwUnfitProg
+	names := reasonNames()
+	it := m.Iterate()
+	for it.Next(&key, &v) {
+		p := LearnedProgram{Comm: commString(key.Comm), KeptOffConnections: v.KeptOff}
+		if int(v.Reason) < len(names) {
+			p.Reason = names[v.Reason]
+		}
+		out = append(out, p)
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("read mw_unfit_progs: %w", err)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Comm < out[j].Comm })
+	return out, nil
+}
+
+// pinnedLearnedPrograms reads mw_unfit_progs from pinDir; a missing map
+// (older agent) is no error.
+func pinnedLearnedPrograms(pinDir string) ([]LearnedProgram, error) {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwUnfitProgs), &ebpf.LoadPinOptions{ReadOnly: true})
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer m.Close()
+	return readLearnedPrograms(m)
 }

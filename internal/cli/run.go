@@ -135,7 +135,7 @@ connection; exclude them up front so that no connection is affected.`,
 	f.BoolVar(&o.keepSmallStreams, "keep-small-streams", false,
 		"keep streams on the redirect (default: a connection whose one side writes many small messages without a reply, or outruns a receiver that never replies, continues on TCP, which is faster for it; see `meshwarp status` small_stream, backpressure)")
 	f.BoolVar(&o.learnSyscalls, "learn-from-syscalls", false,
-		"also watch the cgroup's splice(2), recv(MSG_WAITALL), MSG_OOB, close() with unread bytes and connect(AF_UNSPEC) on accelerated sockets, and keep later connections on those ports on TCP (see `meshwarp status` learned reasons). Off by default: syscall tracepoints slow every process of the node (docs/BENCHMARKS.md); socket options (SO_RCVLOWAT, SO_PEEK_OFF, TCP_INQ, timestamps, SO_ZEROCOPY) are always seen, through a cgroup hook")
+		"also watch the cgroup's splice(2), recv(MSG_WAITALL), MSG_OOB, close() with unread bytes and connect(AF_UNSPEC) on accelerated sockets, and keep later connections on those ports, and every later connection of those programs, on TCP (see `meshwarp status` learned reasons and programs). Off by default: syscall tracepoints slow every process of the node (docs/BENCHMARKS.md); socket options (SO_RCVLOWAT, SO_PEEK_OFF, TCP_INQ, timestamps, SO_ZEROCOPY) are always seen, through a cgroup hook")
 	f.BoolVar(&o.observe, "observe", true,
 		"record RED data of every connection of the cgroup, accelerated or not: HTTP/1.x request rate, status and duration, TCP connections and resets (/metrics, `meshwarp top`, `meshwarp trace`); its cost is in docs/BENCHMARKS.md")
 	f.BoolVar(&o.accelerate, "accelerate", true,

@@ -52,6 +52,10 @@ attached). Counters are cumulative across agent restarts.
   unfit_calls_by_reason   calls on accelerated sockets that taught a learned reason
   unfit_processes         the processes that taught a learned reason, with their calls
                           (watched while 'meshwarp run' runs)
+  learned_programs        the programs (by task name: programs with the same name count as
+                          one) that taught a learned reason: none of their later connections
+                          is paired, on any port, as client or as server; kept across agent
+                          restarts (pinned), with the connections kept off since
   cross_node              with run --cross-node: packets redirected to_wire (local pod to
                           another node) and to_pod (another node into a local pod), with
                           bytes; packets passed to the normal path by reason; per node
@@ -153,6 +157,13 @@ func printStatus(w io.Writer, pinDir string, s accel.Stats) {
 			"so that no first connection is affected:\n")
 		for _, r := range s.UnfitProcesses {
 			fmt.Fprintf(w, "  pid %d (%s): %s, %d calls\n", r.PID, r.Comm, r.Reason, r.Calls)
+		}
+	}
+	if len(s.LearnedPrograms) > 0 {
+		fmt.Fprintf(w, "\nlearned programs: none of their connections is paired any more, on any port (by task name;\n"+
+			"kept across agent restarts):\n")
+		for _, p := range s.LearnedPrograms {
+			fmt.Fprintf(w, "  %s: %s, %d connections kept off since\n", p.Comm, p.Reason, p.KeptOffConnections)
 		}
 	}
 }

@@ -50,3 +50,14 @@ func TestStatusHelpCoversCountersAndReasons(t *testing.T) {
 		}
 	}
 }
+
+// The text status names each learned program with its reason.
+func TestStatusNamesLearnedPrograms(t *testing.T) {
+	var out bytes.Buffer
+	printStatus(&out, "/pins", accel.Stats{LearnedPrograms: []accel.LearnedProgram{
+		{Comm: "nginx", Reason: "waitall_reader", KeptOffConnections: 7},
+	}})
+	if !strings.Contains(out.String(), "learned programs") || !strings.Contains(out.String(), "nginx: waitall_reader, 7 connections kept off since") {
+		t.Fatalf("status does not name the learned program:\n%s", out.String())
+	}
+}

@@ -80,6 +80,7 @@ var programTypes = []struct {
 	{"prog sock_ops", ebpf.SockOps, true, "registers sockets as TCP connections establish", configCgroup},
 	{"prog sk_msg", ebpf.SkMsg, true, "redirects sendmsg data to the peer socket", configSockMsg},
 	{"prog cgroup_sockopt", ebpf.CGroupSockopt, true, "sees socket options the redirect ignores, set by the cgroup's processes", configCgroup},
+	{"prog cgroup_sock", ebpf.CGroupSock, true, "names the program that creates each socket (learned programs)", configCgroup},
 	{"prog tracepoint", ebpf.TracePoint, false, "syscall watches (run --learn-from-syscalls)", configTrace},
 	{"prog tracing", ebpf.Tracing, false, "observation: the client application's read (tp_btf sock:sock_recv_length)", configTrace},
 	{"prog cgroup_skb", ebpf.CGroupSKB, false, "observation of connections that are not accelerated (run --observe)", configCgroup},
@@ -115,7 +116,7 @@ var mapTypes = []struct {
 	{"map ARRAY", ebpf.Array, "settings", configBPF},
 	{"map LPM_TRIE", ebpf.LPMTrie, "CIDR policy", configBPF},
 	{"map LRU_HASH", ebpf.LRUHash, "connect and SYN notes, learned ports and processes", configBPF},
-	{"map SK_STORAGE", ebpf.SkStorage, "per-socket pairing state", configBPF},
+	{"map SK_STORAGE", ebpf.SkStorage, "per-socket pairing state; the program of a socket, copied to the sockets it accepts", configBPF},
 	{"map CGROUP_ARRAY", ebpf.CGroupArray, "the cgroup the syscall watches cover", configBPF},
 	{"map RINGBUF", ebpf.RingBuf, "meshwarp tap: redirected messages to user space (Linux 5.8)", configBPF},
 }
@@ -151,6 +152,7 @@ var helpers = []struct {
 	{ebpf.SkMsg, "sk_msg", asm.FnGetNetnsCookie, "bpf_get_netns_cookie", "meshwarp tap --pod/--netns", configSockMsg},
 	{ebpf.Tracing, "tracing", asm.FnSkStorageGet, "bpf_sk_storage_get", "observation: per-socket state at the client's read (Linux 5.11; probed as the tracepoint's BTF)", configTrace},
 	{ebpf.CGroupSockopt, "cgroup_sockopt", asm.FnSkStorageGet, "bpf_sk_storage_get", "finds the connection of a socket whose options change", configCgroup},
+	{ebpf.CGroupSock, "cgroup_sock", asm.FnSkStorageGet, "bpf_sk_storage_get", "records the program that creates a socket", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkFullsock, "bpf_sk_fullsock", "observation and FIN order: the segment's socket", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnKtimeGetCoarseNs, "bpf_ktime_get_coarse_ns", "FIN order: whether a redirect may be on its way", configCgroup},
 	{ebpf.CGroupSKB, "cgroup_skb", asm.FnSkStorageGet, "bpf_sk_storage_get", "observation: per-socket state", configCgroup},
@@ -399,8 +401,9 @@ func (p *prober) spliceLimitation() {
 	p.add(Check{Name: CheckSpliceLimit, Status: StatusWarn,
 		Detail: "limitation: a process that reads an accelerated socket with splice(2) does not see the " +
 			"redirected bytes (this kernel has no splice_read for sockmap ingress). meshwarp " +
-			"watches splice(2) in the attached cgroup and keeps later connections on that socket's ports " +
-			"on TCP, but the connection that revealed the reader has already lost them",
+			"watches splice(2) in the attached cgroup and keeps later connections on that socket's ports, " +
+			"and every later connection of that program, on TCP, but the connection that revealed the reader " +
+			"has already lost them",
 		Fix: "exclude the ports of splice readers up front: --exclude-ports (HAProxy with option splice-*, " +
 			"Go io.Copy/ReadFrom between two TCP connections)"})
 }
@@ -408,13 +411,14 @@ func (p *prober) spliceLimitation() {
 // receiveLimitation names the TCP guarantees this kernel's sockmap receive
 // and close paths (tcp_bpf_recvmsg, sock_map_close) do not give a redirected
 // connection. meshwarp learns them from syscalls and keeps later connections
-// on those ports on TCP (docs/ARCHITECTURE.md, "TCP guarantees").
+// on those ports, and of that program, on TCP (docs/ARCHITECTURE.md, "TCP guarantees").
 func (p *prober) receiveLimitation() {
 	p.add(Check{Name: CheckReceiveLimit, Status: StatusWarn,
 		Detail: "limitation: on an accelerated socket, recv(MSG_WAITALL) and SO_RCVLOWAT set after the " +
 			"connection returns what is queued, MSG_OOB carries no urgent mark, and close() with unread " +
 			"bytes sends FIN, not RST, and connect(AF_UNSPEC) keeps unread redirected bytes for the socket's next connection. meshwarp watches these calls in the attached cgroup and keeps later " +
-			"connections on that socket's ports on TCP; the connection that revealed the call already ran " +
+			"connections on that socket's ports, and every later connection of that program, on TCP; the " +
+			"connection that revealed the call already ran " +
 			"accelerated. FIONREAD after a writer fell back to TCP (backpressure) while the receiver also sends " +
 			"counts only the redirected bytes (when the whole connection went to TCP, small_stream or a one-way " +
 			"stream's backpressure, its sockets leave the SOCKHASH once those are read: native FIONREAD from then on)",

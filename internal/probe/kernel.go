@@ -146,7 +146,7 @@ func KernelFeatures() []Feature {
 		add(Feature{Name: FeatureFIONREAD, On: false,
 			Reason: "limitation: tcp_bpf has no ioctl before Linux " + kernelMsgTotLen + ": ioctl(FIONREAD/SIOCINQ) on a paired " +
 				"socket counts only its TCP queue, 0 while redirected bytes wait; a reader that waits for FIONREAD > 0 stalls. " +
-				"run --learn-from-syscalls learns such readers (ioctl watch) and keeps later connections on their ports on TCP; " +
+				"run --learn-from-syscalls learns such readers (ioctl watch) and keeps later connections on their ports, and of their programs, on TCP; " +
 				"or exclude their ports up front (--exclude-ports), or use a kernel with the fix (docs/kernel/07-fionread-6.1.md): " + why(err)})
 		add(Feature{Name: FeatureRedirectLoad, On: true,
 			How:    fmt.Sprintf("counted from the psock's message queue (first %d messages; more count as over the redirect budget, so a slow reader's direction goes to TCP sooner)", backlogWalkLimit),
