@@ -15,17 +15,12 @@
  *   mw_sock_hash    SOCKHASH  mw_sock_key -> socket
  *   mw_conns        HASH      mw_conn_id  -> mw_conn (the pairing decision)
  *   mw_connecting, mw_unhinted                LRU_HASH   who may have a local peer
- *   mw_sk_store     SK_STORAGE             mw_sock per socket (pairing and observation)
+ *   mw_sk_store     SK_STORAGE (cloned)    mw_sock per socket (program, pairing, observation)
  *   mw_stats        PERCPU_ARRAY           mw_counters
  *   mw_policy, mw_port_policy, mw_cidr_incl, mw_cidr_excl   policy
  *   mw_cgroup       CGROUP_ARRAY, mw_unfit_procs LRU_HASH     the syscall watches
-<<<<<<< HEAD
+ *   mw_unfit_progs  LRU_HASH, mw_learned_any ARRAY   learned programs (learning.h)
  *   mw_flows (observe.h); the tap's own, not pinned (tap.h)
-=======
- *   mw_prog_store   SK_STORAGE (cloned to accepted sockets), mw_unfit_progs
- *                   LRU_HASH, mw_learned_any ARRAY   learned programs (learning.h)
- *   mw_flows, mw_obs_store (observe.h); the tap's own, not pinned (tap.h)
->>>>>>> learn-prog
  *
  * Where each concern lives:
  *   accel.h        types shared with Go (bpf2go -type)

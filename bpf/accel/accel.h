@@ -230,6 +230,7 @@ struct mw_obs_sock {
 	__u32 rcv_next;   /* segments are not parsed twice */
 	__u32 seq_set;    /* bit 0: snd_next set, bit 1: rcv_next set */
 	__u32 accelerated; /* its connection was paired (sk_msg saw it) */
+	__u32 started;     /* observed since its connect or establishment (else unknown) */
 };
 
 /*
@@ -331,13 +332,27 @@ struct mw_sk_state {
 };
 
 /*
+ * A program, named as the kernel names its task (comm) when it created the
+ * socket; an accepted socket carries its listener's (mw_sock.prog, cloned).
+ * Programs with the same name are one program here. mw_unfit_progs key.
+ */
+struct mw_prog {
+	char comm[16];
+};
+
+/*
  * mw_sk_store value: all meshwarp keeps of one socket, in one allocation
  * (a socket-storage record costs an allocation and a memory-cgroup charge
- * per socket: short connections pay it per request).
+ * per socket: short connections pay it per request). Created when the
+ * socket is (mw_sock_create), or by pairing and observation for sockets
+ * older than the agent; a listener's is copied to the sockets it accepts
+ * (BPF_F_CLONE), whose pairing and observation parts start again at
+ * establishment.
  */
 struct mw_sock {
 	struct mw_sk_state pair; /* pairing and the redirect (zero: never paired) */
-	struct mw_obs_sock obs;  /* observation (zero: not observed) */
+	struct mw_obs_sock obs;  /* observation (obs.started 0: not observed) */
+	struct mw_prog prog;     /* the program that created the socket (learning.h) */
 };
 
 /* Counters, one copy per CPU (summed by Go). Cumulative. */
@@ -378,16 +393,6 @@ struct mw_unfit_key {
 struct mw_unfit_proc {
 	char comm[16];
 	__u64 calls;
-};
-
-/*
- * A program, named as the kernel names its task (comm) when it created the
- * socket; an accepted socket carries its listener's (mw_prog_store). Programs
- * with the same name are one program here. mw_prog_store value and
- * mw_unfit_progs key.
- */
-struct mw_prog {
-	char comm[16];
 };
 
 /* mw_unfit_progs value: what the program did that a redirect cannot honour. */

@@ -375,7 +375,7 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	 * connecting side's remote one (an ephemeral port says nothing about
 	 * later connections). src_port: host order; dst_port: network order.
 	 */
-	prog = bpf_sk_storage_get(&mw_prog_store, sk, 0, 0);
+	prog = prog_state(sk, false);
 	if (st->role == MW_ROLE_PASSIVE)
 		learn_unfit_ports(sk->src_port, 0, prog, reason);
 	else
@@ -390,7 +390,7 @@ static __always_inline int record_prog(struct bpf_sock *ctx)
 
 	if (!accelerate || ctx->protocol != IPPROTO_TCP)
 		return 1;
-	prog = bpf_sk_storage_get(&mw_prog_store, ctx, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	prog = prog_state(ctx, true);
 	if (prog)
 		bpf_get_current_comm(prog->comm, sizeof(prog->comm));
 	return 1;

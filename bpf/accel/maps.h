@@ -92,9 +92,15 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } mw_unhinted SEC(".maps");
 
+/*
+ * One record per socket (struct mw_sock). BPF_F_CLONE: a socket accepted
+ * from a listener starts with a copy of the listener's record
+ * (sk_clone_lock -> bpf_sk_storage_clone), so it names the server program
+ * (a copy is an allocation the accepted socket needs anyway).
+ */
 struct {
 	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(map_flags, BPF_F_NO_PREALLOC | BPF_F_CLONE);
 	__type(key, int);
 	__type(value, struct mw_sock);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
@@ -124,6 +130,17 @@ static __always_inline struct mw_obs_sock *obs_state(void *sk, bool create)
 	/* Keep the offset behind the NULL check (the verifier rejects it before). */
 	barrier_var(s);
 	return &s->obs;
+}
+
+/* The program recorded on sk (learning.h), or NULL. */
+static __always_inline struct mw_prog *prog_state(void *sk, bool create)
+{
+	struct mw_sock *s = sock_rec(sk, create);
+
+	if (!s)
+		return NULL;
+	barrier_var(s);
+	return &s->prog;
 }
 
 struct {
@@ -204,20 +221,6 @@ struct {
 	__type(value, __u32); /* enum mw_reason */
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } mw_unfit_rport SEC(".maps");
-
-/*
- * The program that created each TCP socket of the cgroup (mw_sock_create).
- * BPF_F_CLONE: a socket accepted from a listener starts with a copy of the
- * listener's record (sk_clone_lock -> bpf_sk_storage_clone), so a server's
- * accepted sockets name the server.
- */
-struct {
-	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC | BPF_F_CLONE);
-	__type(key, int);
-	__type(value, struct mw_prog);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_prog_store SEC(".maps");
 
 /*
  * Programs that did what a redirect cannot honour: none of their later

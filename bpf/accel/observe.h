@@ -224,6 +224,7 @@ static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_so
 	o->point = obs_point(socket_uid(sk), &t, active);
 	o->start_ns = bpf_ktime_get_ns();
 	o->flushed_ns = o->start_ns;
+	o->started = 1;
 	if (!(cb_flags & BPF_SOCK_OPS_STATE_CB_FLAG)) {
 		cb_flags |= BPF_SOCK_OPS_STATE_CB_FLAG;
 		bpf_sock_ops_cb_flags_set(skops, cb_flags);

@@ -40,6 +40,7 @@ static __always_inline struct mw_obs_sock *obs_late(struct __sk_buff *skb, struc
 	o->point = obs_point(bpf_get_socket_uid(skb), &t, egress);
 	o->start_ns = now;
 	o->flushed_ns = now;
+	o->started = 1;
 	return o;
 }
 
@@ -76,6 +77,8 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 	if (!sk || sk->protocol != IPPROTO_TCP)
 		return 1;
 	o = obs_state(sk, false);
+	if (o && !o->started)
+		o = NULL; /* a record without observation (created with the socket) */
 	if (o && !o->start_ns)
 		return 1; /* its end was recorded */
 	/*

@@ -182,7 +182,7 @@ static __always_inline __u32 prog_unfit(struct bpf_sock *sk)
 	any = bpf_map_lookup_elem(&mw_learned_any, &zero);
 	if (!any || !*any)
 		return 0;
-	prog = bpf_sk_storage_get(&mw_prog_store, sk, 0, 0);
+	prog = prog_state(sk, false);
 	if (!prog)
 		return 0; /* created before the agent, or outside the cgroup */
 	u = bpf_map_lookup_elem(&mw_unfit_progs, prog);

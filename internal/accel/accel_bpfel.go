@@ -245,7 +245,10 @@ type accelMwSock struct {
 		RcvNext     uint32
 		SeqSet      uint32
 		Accelerated uint32
+		Started     uint32
+		_           [4]byte
 	}
+	Prog accelMwProg
 }
 
 type accelMwSockKey struct {
@@ -331,7 +334,6 @@ const (
 	accelMapMwLearnedAny           = "mw_learned_any"
 	accelMapMwPolicy               = "mw_policy"
 	accelMapMwPortPolicy           = "mw_port_policy"
-	accelMapMwProgStore            = "mw_prog_store"
 	accelMapMwSkStore              = "mw_sk_store"
 	accelMapMwSockHash             = "mw_sock_hash"
 	accelMapMwStats                = "mw_stats"
@@ -461,7 +463,6 @@ type accelMapSpecs struct {
 	MwLearnedAny  *ebpf.MapSpec `ebpf:"mw_learned_any"`
 	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
-	MwProgStore   *ebpf.MapSpec `ebpf:"mw_prog_store"`
 	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
 	MwSockHash    *ebpf.MapSpec `ebpf:"mw_sock_hash"`
 	MwStats       *ebpf.MapSpec `ebpf:"mw_stats"`
@@ -525,7 +526,6 @@ type accelMaps struct {
 	MwLearnedAny  *ebpf.Map `ebpf:"mw_learned_any"`
 	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
-	MwProgStore   *ebpf.Map `ebpf:"mw_prog_store"`
 	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
 	MwSockHash    *ebpf.Map `ebpf:"mw_sock_hash"`
 	MwStats       *ebpf.Map `ebpf:"mw_stats"`
@@ -550,7 +550,6 @@ func (m *accelMaps) Close() error {
 		m.MwLearnedAny,
 		m.MwPolicy,
 		m.MwPortPolicy,
-		m.MwProgStore,
 		m.MwSkStore,
 		m.MwSockHash,
 		m.MwStats,
