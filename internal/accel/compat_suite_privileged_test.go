@@ -367,19 +367,16 @@ func TestPrivilegedCompat(t *testing.T) {
 // row would find it learned instead of pairing.
 func forgetPrograms(t *testing.T, a *Agent) {
 	t.Helper()
-	var (
-		key  accelMwProg
-		v    accelMwUnfitProg
-		keys []accelMwProg
-	)
-	it := a.objs.MwUnfitProgs.Iterate()
-	for it.Next(&key, &v) {
-		keys = append(keys, key)
+	learned, err := readLearnedPrograms(a.objs.MwUnfitProgs)
+	if err != nil {
+		t.Fatal(err)
 	}
-	for _, k := range keys {
-		if err := a.objs.MwUnfitProgs.Delete(k); err != nil {
-			t.Fatalf("forget %s: %v", commString(k.Comm), err)
-		}
+	var names []string
+	for _, p := range learned {
+		names = append(names, p.Comm)
+	}
+	if _, err := Forget(a.cfg.PinDir, ForgetRequest{Programs: names}); err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -439,4 +439,21 @@ func TestPrivilegedLearnedProgramAnyPort(t *testing.T) {
 	c, s = pairedConn(t, b, lnD, dialer(lnD.Addr().String()))
 	c.Close()
 	s.Close()
+
+	// Forgotten (meshwarp forget): the teacher's next connection is paired.
+	res, err := Forget(cfg.PinDir, ForgetRequest{Programs: []string{teacher}})
+	if err != nil || !slices.Equal(res.Programs, []string{teacher}) || len(res.NotLearned) != 0 {
+		t.Fatalf("forget %s: %+v, %v", teacher, res, err)
+	}
+	if _, ok := learnedProgram(t, b, teacher); ok {
+		t.Fatalf("%s still learned after forget", teacher)
+	}
+	asProgram(t, teacher, func() {
+		c, s := pairedConn(t, b, lnD, dialer(lnD.Addr().String()))
+		c.Close()
+		s.Close()
+	})
+	if res, err := Forget(cfg.PinDir, ForgetRequest{Programs: []string{teacher}}); err != nil || !slices.Equal(res.NotLearned, []string{"program " + teacher}) {
+		t.Fatalf("forgetting %s twice: %+v, %v (want it named as not learned)", teacher, res, err)
+	}
 }

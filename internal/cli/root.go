@@ -97,6 +97,7 @@ func AgentCommands(g *Global) []*cobra.Command {
 		newRunCommand(g),
 		newStatusCommand(g),
 		newCleanupCommand(g),
+		newForgetCommand(g),
 		newVersionCommand(),
 	}
 }
@@ -112,7 +113,8 @@ people, lab, bench, top, trace and tap.
   meshwarp-agent probe     can this kernel accelerate? (names anything missing)
   meshwarp-agent run       attach and serve /metrics (root)
   meshwarp-agent status    what the running agent did
-  meshwarp-agent cleanup   detach and unpin what a killed agent left`)
+  meshwarp-agent cleanup   detach and unpin what a killed agent left
+  meshwarp-agent forget    pair again a program or port the agent learned to leave to TCP`)
 	root.AddCommand(AgentCommands(g)...)
 	return root
 }
