@@ -54,6 +54,9 @@ accel_tests='NodeMemoryPressureBlocksWriter|IntegrityLoopback|IntegrityAcrossNet
 # time without progress, not a lifetime (it failed as "i/o timeout" when it
 # was a lifetime of 2 minutes).
 accel_tests+='|LifecycleUnderLoad'
+# Learned programs: what the socket-creation and bind hooks see and what an
+# accepted socket inherits from its listener (BPF_F_CLONE) are kernel paths.
+accel_tests+='|LearnedProgramAnyPort'
 # These assert FIONREAD on a paired socket, which kernels without tcp_bpf's
 # ioctl (6.1) cannot give: there `meshwarp probe` must name the limitation
 # instead (feature "FIONREAD of redirected bytes" off; the guest checks it).

@@ -354,6 +354,8 @@ struct mw_sock {
 	struct mw_obs_sock obs;  /* observation (obs.started 0: not observed) */
 	struct mw_prog prog;     /* the program that created the socket (learning.h) */
 };
+/* pair_state returns &rec->pair as the record itself (and obs_msg the reverse). */
+_Static_assert(__builtin_offsetof(struct mw_sock, pair) == 0, "mw_sock.pair must come first");
 
 /* Counters, one copy per CPU (summed by Go). Cumulative. */
 struct mw_counters {

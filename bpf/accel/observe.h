@@ -301,7 +301,8 @@ static __always_inline void obs_peer_bytes(struct mw_obs_sock *o, struct mw_conn
 static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *st, struct mw_conn *c, __u32 size,
 				    __u64 coarse_now)
 {
-	struct mw_obs_sock *o = obs_state(msg->sk, false);
+	/* st is its record's first part: the obs part needs no second lookup. */
+	struct mw_obs_sock *o = &((struct mw_sock *)st)->obs;
 	__u32 kind = MW_HTTP_NONE, method = MW_METHOD_OTHER, status = 0;
 	struct mw_flow_key k = {};
 	__u8 buf[MW_OBS_PEEK] = {};
@@ -309,7 +310,7 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 	__u64 now, d;
 	__u32 me;
 
-	if (!o)
+	if (!o->started)
 		return; /* established before observation started */
 	if (!o->accelerated)
 		o->accelerated = 1;
