@@ -66,7 +66,9 @@ func TestPrivilegedTopOnceJSON(t *testing.T) {
 	pin := startAgent(t)
 	okServer, failServer := load(t)
 
-	out, err := exec.Command(bin, "top", "--pin-dir", pin, "--once", "--json", "--interval", "1s").Output()
+	// A paired socket adds its bytes to the flows at most once a second
+	// (MW_OBS_FLUSH_NS): a 2 s window holds at least one addition per flow.
+	out, err := exec.Command(bin, "top", "--pin-dir", pin, "--once", "--json", "--interval", "2s").Output()
 	if err != nil {
 		t.Fatalf("top --once --json: %v", err)
 	}
