@@ -132,7 +132,11 @@ static __always_inline struct mw_obs_sock *obs_state(void *sk, bool create)
 	return &s->obs;
 }
 
-/* The program recorded on sk (learning.h), or NULL. */
+/*
+ * The program recorded on sk (learning.h), or NULL; create: the record to
+ * write it into. A record that pairing or observation made (a socket older
+ * than the agent, or accepted from such a listener) names none.
+ */
 static __always_inline struct mw_prog *prog_state(void *sk, bool create)
 {
 	struct mw_sock *s = sock_rec(sk, create);
@@ -140,6 +144,8 @@ static __always_inline struct mw_prog *prog_state(void *sk, bool create)
 	if (!s)
 		return NULL;
 	barrier_var(s);
+	if (!create && !s->prog.comm[0])
+		return NULL;
 	return &s->prog;
 }
 

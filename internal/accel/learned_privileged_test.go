@@ -457,3 +457,51 @@ func TestPrivilegedLearnedProgramAnyPort(t *testing.T) {
 		t.Fatalf("forgetting %s twice: %+v, %v (want it named as not learned)", teacher, res, err)
 	}
 }
+
+// A socket accepted from a listener older than the agent has a record that
+// names no program (pairing and observation made it). An option that
+// teaches the agent on such a socket learns the calling program, never a
+// nameless one, which every such socket would then match: later connections
+// from another old listener are still paired.
+func TestPrivilegedLearnedProgramNeverNameless(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	cg := testutil.EnterCgroup(t)
+	old := mustListen(t, "127.0.0.1:0") // before the agent: no program recorded
+	defer old.Close()
+	other := mustListen(t, "127.0.0.1:0")
+	defer other.Close()
+	a := startAgent(t, Config{CgroupPath: cg})
+	t.Cleanup(func() { forgetPrograms(t, a) })
+
+	c, s := pairedConn(t, a, old, dialer(old.Addr().String()))
+	defer c.Close()
+	defer s.Close()
+	if _, err := c.Write([]byte("redirected")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(s, make([]byte, len("redirected"))); err != nil {
+		t.Fatal(err)
+	}
+	// A thread named otherwise: this test program must stay unlearned.
+	asProgram(t, "mw-teacher", func() {
+		onFD(t, s, func(fd int) {
+			if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVLOWAT, 2); err != nil {
+				t.Error(err)
+			}
+		})
+	})
+	learned := stats(t, a).LearnedPrograms
+	if !slices.ContainsFunc(learned, func(p LearnedProgram) bool { return p.Comm == "mw-teacher" }) {
+		t.Fatalf("SO_RCVLOWAT after redirected bytes did not teach the calling program: %+v", learned)
+	}
+	for _, p := range learned {
+		if p.Comm == "" {
+			t.Fatalf("the agent learned a nameless program: %+v", learned)
+		}
+	}
+	// Another old listener's connection: its accepted socket names no
+	// program either, and is paired.
+	c2, s2 := pairedConn(t, a, other, dialer(other.Addr().String()))
+	c2.Close()
+	s2.Close()
+}
