@@ -55,7 +55,8 @@ attached). Counters are cumulative across agent restarts.
   learned_programs        the programs (by task name: programs with the same name count as
                           one) that taught a learned reason: none of their later connections
                           is paired, on any port, as client or as server; kept across agent
-                          restarts (pinned), with the connections kept off since
+                          restarts (pinned), with the connections kept off since;
+                          meshwarp forget --program NAME pairs them again
   cross_node              with run --cross-node: packets redirected to_wire (local pod to
                           another node) and to_pod (another node into a local pod), with
                           bytes; packets passed to the normal path by reason; per node
