@@ -162,7 +162,7 @@ func printStatus(w io.Writer, pinDir string, s accel.Stats) {
 	}
 	if len(s.LearnedPrograms) > 0 {
 		fmt.Fprintf(w, "\nlearned programs: none of their connections is paired any more, on any port (by task name;\n"+
-			"kept across agent restarts):\n")
+			"kept across agent restarts; `meshwarp forget --program NAME` pairs one again):\n")
 		for _, p := range s.LearnedPrograms {
 			fmt.Fprintf(w, "  %s: %s, %d connections kept off since\n", p.Comm, p.Reason, p.KeptOffConnections)
 		}
