@@ -101,7 +101,7 @@ func summarizeCost(h *HopsSummary, ss, bpf []Sample) {
 // and as a process).
 func (r *Report) costTable() (Table, bool) {
 	t := Table{
-		Title: fmt.Sprintf("What the agent costs: idle = %v after attaching, no traffic; BPF = its programs' run time (kernel bpf stats); "+
+		Title: fmt.Sprintf("What the agent costs: idle = %v after attaching, no traffic; BPF = its programs' run time (kernel bpf stats, from the profiling pass; - where not profiled: idle, qperf); "+
 			"process = the bench process hosting the agent (CPU in %% of one CPU, RSS at the end of the run)", IdleWindow),
 		LeftColumns: 2,
 		Head: []string{"mode", "workload", "process cpu %", "BPF cpu %", "BPF us/req", "BPF ns/redirected msg", "sock_ops runs/req",
@@ -131,7 +131,12 @@ func (r *Report) costTable() (Table, bool) {
 			if h.BPFNSPerRedirectedMessage > 0 {
 				perMsg = fnum(h.BPFNSPerRedirectedMessage, 0)
 			}
-			t.Rows = append(t.Rows, []string{m, wl, fnum(h.Cost.ProcessCPUPercent, 2), fnum(h.Cost.BPFCPUPercent, 2), perReq, perMsg, sockops,
+			// Only profiled runs (BPF statistics on) know the BPF time: idle and qperf are not profiled.
+			bpfCPU := "-"
+			if len(h.BPFPrograms) > 0 {
+				bpfCPU = fnum(h.Cost.BPFCPUPercent, 2)
+			}
+			t.Rows = append(t.Rows, []string{m, wl, fnum(h.Cost.ProcessCPUPercent, 2), bpfCPU, perReq, perMsg, sockops,
 				fnum(h.Cost.ProcessRSSBytes/1e6, 1), fnum(h.Cost.BPFMemoryBytes/1e6, 1)})
 		}
 	}
