@@ -42,19 +42,12 @@ func Forget(pinDir string, req ForgetRequest) (ForgetResult, error) {
 			return res, fmt.Errorf("program %q: a program is named as the kernel names its task, 1 to %d bytes (see `meshwarp status`)", p, maxComm)
 		}
 	}
-	open := func(name string) (*ebpf.Map, error) {
-		m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, name), nil)
-		if errors.Is(err, os.ErrNotExist) {
-			return nil, fmt.Errorf("no meshwarp pins at %s (%s missing): nothing was learned there; is --pin-dir right?", pinDir, name)
-		}
-		return m, err
-	}
-	progs, err := open(accelMapMwUnfitProgs)
+	progs, err := openLearned(pinDir, accelMapMwUnfitProgs)
 	if err != nil {
 		return res, err
 	}
 	defer progs.Close()
-	procs, err := open(accelMapMwUnfitProcs)
+	procs, err := openLearned(pinDir, accelMapMwUnfitProcs)
 	if err != nil {
 		return res, err
 	}
@@ -103,13 +96,25 @@ func Forget(pinDir string, req ForgetRequest) (ForgetResult, error) {
 	return res, resetLearnedAny(pinDir, progs)
 }
 
+// openLearned opens a learning map pinned in pinDir for writing.
+func openLearned(pinDir, name string) (*ebpf.Map, error) {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, name), nil)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("no meshwarp pins at %s (%s missing): nothing was learned there; is --pin-dir right?", pinDir, name)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("open %s: %w", name, err)
+	}
+	return m, nil
+}
+
 // forgetPorts removes the named ports (or all) from both learned-port maps.
 func forgetPorts(pinDir string, req ForgetRequest, res *ForgetResult) error {
 	found := map[uint16]bool{}
 	for _, name := range []string{accelMapMwUnfitLport, accelMapMwUnfitRport} {
-		m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, name), nil)
+		m, err := openLearned(pinDir, name)
 		if err != nil {
-			return fmt.Errorf("open %s: %w", name, err)
+			return err
 		}
 		ports := req.Ports
 		if req.All {
@@ -152,9 +157,9 @@ func resetLearnedAny(pinDir string, progs *ebpf.Map) error {
 	if err := progs.NextKey(nil, &key); !errors.Is(err, ebpf.ErrKeyNotExist) {
 		return nil // still learned programs (or unreadable: leave the flag set)
 	}
-	anyMap, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwLearnedAny), nil)
+	anyMap, err := openLearned(pinDir, accelMapMwLearnedAny)
 	if err != nil {
-		return fmt.Errorf("open %s: %w", accelMapMwLearnedAny, err)
+		return err
 	}
 	defer anyMap.Close()
 	if err := anyMap.Put(uint32(0), uint32(0)); err != nil {

@@ -132,10 +132,10 @@ func readUnfitProcesses(m *ebpf.Map) ([]UnfitProcess, error) {
 	return out, nil
 }
 
-// pinnedUnfitProcesses reads mw_unfit_procs from pinDir; a missing map
-// (older agent) is no error.
-func pinnedUnfitProcesses(pinDir string) ([]UnfitProcess, error) {
-	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwUnfitProcs), &ebpf.LoadPinOptions{ReadOnly: true})
+// readPinned reads the map name pinned in pinDir with read; a missing map
+// (an older agent's pins) reads as nothing.
+func readPinned[T any](pinDir, name string, read func(*ebpf.Map) ([]T, error)) ([]T, error) {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, name), &ebpf.LoadPinOptions{ReadOnly: true})
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
 	}
@@ -143,7 +143,12 @@ func pinnedUnfitProcesses(pinDir string) ([]UnfitProcess, error) {
 		return nil, err
 	}
 	defer m.Close()
-	return readUnfitProcesses(m)
+	return read(m)
+}
+
+// pinnedUnfitProcesses reads mw_unfit_procs from pinDir.
+func pinnedUnfitProcesses(pinDir string) ([]UnfitProcess, error) {
+	return readPinned(pinDir, accelMapMwUnfitProcs, readUnfitProcesses)
 }
 
 // commString is a kernel task name without its padding.
@@ -179,16 +184,7 @@ func readLearnedPrograms(m *ebpf.Map) ([]LearnedProgram, error) {
 	return out, nil
 }
 
-// pinnedLearnedPrograms reads mw_unfit_progs from pinDir; a missing map
-// (older agent) is no error.
+// pinnedLearnedPrograms reads mw_unfit_progs from pinDir.
 func pinnedLearnedPrograms(pinDir string) ([]LearnedProgram, error) {
-	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwUnfitProgs), &ebpf.LoadPinOptions{ReadOnly: true})
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	defer m.Close()
-	return readLearnedPrograms(m)
+	return readPinned(pinDir, accelMapMwUnfitProgs, readLearnedPrograms)
 }
