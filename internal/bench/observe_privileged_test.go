@@ -25,7 +25,10 @@ import (
 // 1 and 64 connections: the requests it counts at the server and client
 // applications are fortio's, and the per-hop breakdown adds up to the
 // latency fortio measured (within 15 %). `meshwarp trace --json`, run while
-// the bench's agent observes, agrees.
+// the bench's agent observes, shows every segment, and they add up to its
+// client mean; that mean covers a 2 s window of fortio's run, not all of it,
+// so it is held to fortio's mean only loosely (a wrong unit or a segment
+// counted twice still fails).
 func TestPrivilegedObserveBreakdown(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	if bench.PinDirLeft(bench.DefaultPinDir) {
@@ -76,7 +79,15 @@ func TestPrivilegedObserveBreakdown(t *testing.T) {
 			}
 			b := tr.breakdown
 			logBreakdown(t, "meshwarp trace --json (sidecar+observe)", b)
-			checkSum(t, "meshwarp trace", b, fortioMean[bench.ModeSidecarObserve])
+			if len(b.Segments) != 7 {
+				t.Errorf("meshwarp trace: %d segments, want the 7 of a request through two sidecars", len(b.Segments))
+			}
+			for _, s := range b.Segments {
+				if s.Count == 0 {
+					t.Errorf("meshwarp trace: segment %q saw no request", s.Name)
+				}
+			}
+			checkSum(t, "meshwarp trace", b, fortioMean[bench.ModeSidecarObserve], 0.5)
 		})
 	}
 	if bench.PinDirLeft(bench.DefaultPinDir) {
@@ -101,7 +112,7 @@ func checkObservation(t *testing.T, s bench.Sample) {
 	}
 	b := *o.Breakdown
 	logBreakdown(t, s.Mode, b)
-	checkSum(t, s.Mode, b, s.Metrics[bench.MetricLatencyAvg]/1e6)
+	checkSum(t, s.Mode, b, s.Metrics[bench.MetricLatencyAvg]/1e6, 0.15)
 	if len(b.Points) != 7 {
 		t.Errorf("%s: %d observation points, want all 7 of a request through two sidecars: %+v", s.Mode, len(b.Points), b.Points)
 	}
@@ -116,8 +127,9 @@ func checkObservation(t *testing.T, s bench.Sample) {
 	}
 }
 
-// checkSum: the segments add up to the client's mean, which is fortio's within 15 %.
-func checkSum(t *testing.T, what string, b observe.Breakdown, fortioMean float64) {
+// checkSum: the segments add up to the client's mean, which is fortio's
+// within the fraction tol.
+func checkSum(t *testing.T, what string, b observe.Breakdown, fortioMean, tol float64) {
 	t.Helper()
 	var sum float64
 	for _, s := range b.Segments {
@@ -126,8 +138,8 @@ func checkSum(t *testing.T, what string, b observe.Breakdown, fortioMean float64
 	if math.Abs(sum-b.ClientMeanSeconds) > 1e-9 {
 		t.Errorf("%s: segments add up to %.1fus, client_mean_seconds is %.1fus", what, sum*1e6, b.ClientMeanSeconds*1e6)
 	}
-	if fortioMean <= 0 || math.Abs(sum-fortioMean) > 0.15*fortioMean {
-		t.Errorf("%s: segments add up to %.1fus, fortio measured a mean of %.1fus (want within 15%%)", what, sum*1e6, fortioMean*1e6)
+	if fortioMean <= 0 || math.Abs(sum-fortioMean) > tol*fortioMean {
+		t.Errorf("%s: segments add up to %.1fus, fortio measured a mean of %.1fus (want within %.0f%%)", what, sum*1e6, fortioMean*1e6, 100*tol)
 	}
 }
 
