@@ -38,44 +38,12 @@ func (r *runner) redisTarget() string {
 // startRedis starts redis-server in the server pod (no persistence, no
 // protected mode: it answers the client pod) and waits until it listens.
 func (r *runner) startRedis(ctx context.Context) (stop func(), err error) {
-	// The pod's address for the client and its loopback for the inbound
-	// sidecar (which connects from 127.0.0.6).
-	bind := []string{r.env.ServerIP().String()}
-	if !r.env.ServerIP().IsLoopback() {
-		bind = append(bind, "127.0.0.1")
+	args := []string{"--port", strconv.Itoa(RedisPort), "--bind"}
+	for _, a := range r.serverAppAddrs() {
+		args = append(args, a.String())
 	}
-	args := append([]string{"--port", strconv.Itoa(RedisPort), "--bind"}, bind...)
 	args = append(args, "--protected-mode", "no", "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning")
-	cmd := r.env.ServerCommand(ctx, "redis-server", args...)
-	var stderr bytes.Buffer
-	cmd.Stdout = &tailWriter{buf: &stderr, max: 2048}
-	cmd.Stderr = cmd.Stdout
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start redis-server in the server pod (scripts/install-deps.sh installs it): %w", err)
-	}
-	exited := make(chan struct{})
-	go func() { cmd.Wait(); close(exited) }()
-	stop = func() {
-		cmd.Process.Kill()
-		<-exited
-	}
-	probe := fmt.Sprintf("sport = :%d", RedisPort)
-	for deadline := time.Now().Add(10 * time.Second); ; {
-		out, _ := r.env.ServerCommand(ctx, "ss", "-Hltn", probe).Output()
-		if len(bytes.TrimSpace(out)) > 0 {
-			return stop, nil
-		}
-		select {
-		case <-exited:
-			return nil, fmt.Errorf("redis-server exited: %s", strings.TrimSpace(stderr.String()))
-		default:
-		}
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			stop()
-			return nil, fmt.Errorf("redis-server did not listen on :%d within 10s: %s", RedisPort, strings.TrimSpace(stderr.String()))
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	return r.startServerApp(ctx, RedisPort, "redis-server", args...)
 }
 
 // RedisResult is one redis-benchmark line (--csv).

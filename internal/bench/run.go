@@ -387,6 +387,53 @@ func (r *runner) tcpTarget() string {
 	return netip.AddrPortFrom(r.env.ServerIP(), uint16(r.env.TCPEchoPort())).String()
 }
 
+// serverAppAddrs are the addresses an app of the bench listens on in the
+// server pod: the pod's address for the client and its loopback for the
+// inbound sidecar (which connects from 127.0.0.6).
+func (r *runner) serverAppAddrs() []netip.Addr {
+	addrs := []netip.Addr{r.env.ServerIP()}
+	if !r.env.ServerIP().IsLoopback() {
+		addrs = append(addrs, netip.MustParseAddr("127.0.0.1"))
+	}
+	return addrs
+}
+
+// startServerApp starts name (a server the bench runs for a workload: a
+// Debian program) in the server pod and the lab cgroup, and waits until it
+// listens on port. stop kills it and waits for it.
+func (r *runner) startServerApp(ctx context.Context, port int, name string, args ...string) (stop func(), err error) {
+	cmd := r.env.ServerCommand(ctx, name, args...)
+	var stderr bytes.Buffer
+	cmd.Stdout = &tailWriter{buf: &stderr, max: 2048}
+	cmd.Stderr = cmd.Stdout
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s in the server pod (scripts/install-deps.sh installs it): %w", name, err)
+	}
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	stop = func() {
+		cmd.Process.Kill()
+		<-exited
+	}
+	probe := fmt.Sprintf("sport = :%d", port)
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		out, _ := r.env.ServerCommand(ctx, "ss", "-Hltn", probe).Output()
+		if len(bytes.TrimSpace(out)) > 0 {
+			return stop, nil
+		}
+		select {
+		case <-exited:
+			return nil, fmt.Errorf("%s exited: %s", name, strings.TrimSpace(stderr.String()))
+		default:
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			stop()
+			return nil, fmt.Errorf("%s did not listen on :%d within 10s: %s", name, port, strings.TrimSpace(stderr.String()))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
 // runWorker starts a worker in the client pod and decodes its result; cpu
 // is the lab cgroup's CPU time over the worker's life.
 func (r *runner) runWorker(ctx context.Context, spec WorkerSpec, timeout time.Duration) (WorkerResult, float64, error) {
