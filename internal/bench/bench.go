@@ -5,8 +5,9 @@
 // of published sidecar-acceleration measurements: fortio HTTP and TCP echo
 // load (fortio as a Go library, run by a worker process inside the client
 // pod), qperf tcp_lat/tcp_bw, an AF_UNIX socketpair floor, and the cost
-// workloads: HTTP with a connection per request, one connection, and
-// redis-benchmark against redis-server. Modes are interleaved and repeated; the report
+// workloads: HTTP with a connection per request, one connection,
+// redis-benchmark against redis-server, and curl downloading a large file
+// from nginx. Modes are interleaved and repeated; the report
 // gives medians, spread and per-repeat paired ratios, as a terminal table,
 // JSON (docs/bench-schema.json) and a self-contained HTML page.
 package bench
@@ -56,6 +57,9 @@ const (
 	// pod; it reports two rows, WorkloadRedis (plain) and WorkloadRedisPipelined.
 	WorkloadRedis          = "redis"
 	WorkloadRedisPipelined = "redis-p16"
+	// WorkloadBulk is curl downloading a BulkBytes file from nginx in the
+	// server pod, one transfer (and connection) at a time: bandwidth.
+	WorkloadBulk = "bulk"
 	// WorkloadIdle labels the agent's cost with no traffic (IdleWindow
 	// after it attached, in every mode with an agent).
 	WorkloadIdle = "idle"
@@ -88,13 +92,13 @@ var KnownModes = append(slices.Clone(AllModes), ModeSidecarObserve, ModeSidecarA
 var AllWorkloads = []string{WorkloadHTTP, WorkloadTCP, WorkloadQperf, WorkloadUnix}
 
 // KnownWorkloads are every workload --workloads accepts: AllWorkloads and
-// the cost workloads (connection per request, one connection, redis).
-var KnownWorkloads = append(slices.Clone(AllWorkloads), WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1, WorkloadRedis)
+// the cost workloads (connection per request, one connection, redis, bulk).
+var KnownWorkloads = append(slices.Clone(AllWorkloads), WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1, WorkloadRedis, WorkloadBulk)
 
 // reportOrder is the order of the report's rows (a workload may report
 // rows under more than one name: redis).
 var reportOrder = []string{WorkloadIdle, WorkloadHTTP, WorkloadTCP, WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1,
-	WorkloadRedis, WorkloadRedisPipelined, WorkloadQperf, WorkloadUnix}
+	WorkloadRedis, WorkloadRedisPipelined, WorkloadBulk, WorkloadQperf, WorkloadUnix}
 
 // fortioWorkload returns the fortio load (http or tcp) of a workload and
 // whether it is one.

@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -308,4 +309,88 @@ func TestPrivilegedBenchCostWorkloads(t *testing.T) {
 			t.Errorf("http-close: %.2f sock_ops runs per request (connection), want >= 1", p.RunsPerRequest)
 		}
 	}
+}
+
+// TestPrivilegedBenchBulk runs the bulk workload (nginx in the server pod,
+// curl in the client pod, 64 MiB per transfer) for a second in every mode
+// against a real lab and the real agent: every transfer downloads the whole
+// file, in every mode, and nothing is left behind (nginx, its temp dir).
+func TestPrivilegedBenchBulk(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	for _, bin := range []string{"haproxy", "nginx", "curl", "iptables", "ip"} {
+		if _, err := exec.LookPath(bin); err != nil {
+			t.Fatalf("%s not installed: run scripts/install-deps.sh", bin)
+		}
+	}
+	if _, err := lab.Load(); err != nil {
+		if left := lab.Leftovers(); len(left) > 0 {
+			t.Fatalf("leftovers of an earlier lab (run `meshwarp lab down`): %v", left)
+		}
+	}
+	if bench.PinDirLeft(bench.DefaultPinDir) {
+		t.Fatalf("%s exists before the test: run `meshwarp cleanup --pin-dir %s`", bench.DefaultPinDir, bench.DefaultPinDir)
+	}
+	// the bench's temp dir goes here, to see that it is removed
+	tmp := t.TempDir()
+	t.Setenv("TMPDIR", tmp)
+	jsonPath := filepath.Join(t.TempDir(), "bench.json")
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	stdout, stderr, err := runCLI(ctx, "bench", "--workloads", "bulk", "--duration", "1s", "--repeat", "1", "--json", jsonPath)
+	t.Logf("%s", stdout)
+	if err != nil {
+		t.Fatalf("bench: %v\nstderr:\n%s", err, stderr)
+	}
+	if bench.PinDirLeft(bench.DefaultPinDir) {
+		t.Errorf("agent pins left in %s", bench.DefaultPinDir)
+	}
+	if left, _ := os.ReadDir(tmp); len(left) > 0 {
+		t.Errorf("bench left in its temp dir: %v", left)
+	}
+	if procs := processesWith(t, tmp); len(procs) > 0 {
+		t.Errorf("nginx left running: %v", procs)
+	}
+	rep := readReport(t, jsonPath)
+	for _, m := range bench.AllModes {
+		r := rep.FindResult(m, bench.WorkloadBulk, 0)
+		if r == nil || r.RequestsTotal < 1 || r.ErrorsTotal != 0 || r.BandwidthMBps == nil || *r.BandwidthMBps <= 0 {
+			t.Errorf("%s: no transfer: %+v", m, r)
+			continue
+		}
+		if bench.ModeAgent(m) && (r.Hops == nil || r.Hops.RedirectedMessages == 0) {
+			t.Errorf("%s: the agent redirected no message: %+v", m, r.Hops)
+		}
+	}
+	// A transfer counts only with all its bytes; the sample's bandwidth and
+	// time per transfer then multiply to the file's size.
+	runs := 0
+	for _, s := range rep.Runs {
+		if s.Workload != bench.WorkloadBulk || s.Profile {
+			continue
+		}
+		runs++
+		if b := s.Metrics[bench.MetricBandwidth] * s.Metrics[bench.MetricLatencyAvg]; math.Abs(b-bench.BulkBytes) > 1 {
+			t.Errorf("%s: bandwidth x time per transfer = %.0f bytes, want %d", s.Mode, b, bench.BulkBytes)
+		}
+	}
+	if runs != len(bench.AllModes) {
+		t.Errorf("%d bulk runs, want one per mode (%d)", runs, len(bench.AllModes))
+	}
+}
+
+// processesWith lists the processes whose command line contains s.
+func processesWith(t *testing.T, s string) []string {
+	t.Helper()
+	var out []string
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		cmd, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err == nil && bytes.Contains(cmd, []byte(s)) {
+			out = append(out, e.Name()+": "+strings.ReplaceAll(string(cmd), "\x00", " "))
+		}
+	}
+	return out
 }

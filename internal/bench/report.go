@@ -161,6 +161,7 @@ type Config struct {
 	CloseConnections       int      `json:"close_connections,omitempty"`
 	RedisTarget            string   `json:"redis_target,omitempty"`
 	RedisBenchmark         string   `json:"redis_benchmark,omitempty"`
+	BulkURL                string   `json:"bulk_url,omitempty"`
 	PayloadBytes           int      `json:"payload_bytes"`
 	HistogramResolutionUS  float64  `json:"histogram_resolution_us"`
 	HTTPURL                string   `json:"http_url,omitempty"`

@@ -112,7 +112,7 @@ func Run(ctx context.Context, opts Options, env Env, startAgent StartAgentFunc, 
 // order; in the profiling pass, those reported per request.
 func (r *runner) modeWorkloads() []string {
 	var ws []string
-	for _, w := range []string{WorkloadHTTP, WorkloadTCP, WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1, WorkloadRedis, WorkloadQperf} {
+	for _, w := range []string{WorkloadHTTP, WorkloadTCP, WorkloadHTTPClose, WorkloadHTTPC1, WorkloadTCPC1, WorkloadRedis, WorkloadBulk, WorkloadQperf} {
 		if r.opts.hasWorkload(w) && !(r.profiling && w == WorkloadQperf) {
 			ws = append(ws, w)
 		}
@@ -178,6 +178,8 @@ func (r *runner) estimate(workload string) time.Duration {
 	switch workload {
 	case WorkloadRedis:
 		return 2*r.opts.Duration + time.Second
+	case WorkloadBulk:
+		return r.opts.Duration + time.Second
 	case WorkloadQperf:
 		return n * 2 * (q + 250*time.Millisecond)
 	case WorkloadUnix:
@@ -231,6 +233,13 @@ func (r *runner) runAll(ctx context.Context) error {
 	}
 	if r.opts.hasWorkload(WorkloadRedis) {
 		stop, err := r.startRedis(ctx)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
+	if r.opts.hasWorkload(WorkloadBulk) {
+		stop, err := r.startBulk(ctx)
 		if err != nil {
 			return err
 		}
@@ -339,6 +348,8 @@ func (r *runner) runMode(ctx context.Context, rep int, mode string) (err error) 
 			werr = r.runFortio(ctx, rep, mode, w, agent)
 		case w == WorkloadRedis:
 			werr = r.runRedis(ctx, rep, mode, agent)
+		case w == WorkloadBulk:
+			werr = r.runBulk(ctx, rep, mode, agent)
 		case w == WorkloadQperf:
 			werr = r.runQperf(ctx, rep, mode, agent)
 			if errors.Is(werr, ErrQperfThroughSidecar) && ctx.Err() == nil {
@@ -586,6 +597,9 @@ func (r *runner) config() Config {
 		c.RedisTarget = r.redisTarget()
 		c.RedisBenchmark = fmt.Sprintf("redis-benchmark -c %d -t %s -n N (N for about %gs per command), and again with -P %d; qps = requests of both commands / their time, latency = mean of the two commands' figures",
 			redisClients, redisTests, o.Duration.Seconds(), redisPipeline)
+	}
+	if o.hasWorkload(WorkloadBulk) {
+		c.BulkURL = r.bulkURL()
 	}
 	if o.hasWorkload(WorkloadQperf) {
 		listen, _ := r.qperfListenPort()

@@ -103,6 +103,9 @@ func (r *Report) Tables() []Table {
 	if slices.Contains(c.Workloads, WorkloadRedis) {
 		out = append(out, r.fortioTable(WorkloadRedis), r.fortioTable(WorkloadRedisPipelined))
 	}
+	if slices.Contains(c.Workloads, WorkloadBulk) {
+		out = append(out, r.bulkTable())
+	}
 	if slices.Contains(c.Workloads, WorkloadQperf) || slices.Contains(c.Workloads, WorkloadUnix) {
 		out = append(out, r.sizeTable())
 	}
@@ -167,6 +170,38 @@ func (r *Report) fortioTable(wl string) Table {
 	return t
 }
 
+// bulkTable: bandwidth and time per transfer, rows = modes.
+func (r *Report) bulkTable() Table {
+	t := Table{
+		Title:       r.workloadTitle(WorkloadBulk),
+		LeftColumns: 1,
+		Head: []string{"mode", "MB/s", "[min..max]", "ms/transfer", "[min..max]", "transfers", "cpu s/GB",
+			"MB/s vs sidecar", "time vs sidecar", "MB/s vs direct", "time vs direct"},
+	}
+	for _, m := range r.Config.Modes {
+		res := r.FindResult(m, WorkloadBulk, 0)
+		if res == nil {
+			t.Rows = append(t.Rows, padRow([]string{m, "(no result)"}, len(t.Head)))
+			continue
+		}
+		// the time per transfer is kept in us (latency_avg_us), shown in ms
+		timeMS, timeSpread := "-", ""
+		if res.LatencyUS != nil && res.LatencyUS.Avg != nil {
+			timeMS = fnum(*res.LatencyUS.Avg/1000, 1)
+		}
+		if s, ok := res.Spread[MetricLatencyAvg]; ok && res.Repeats > 1 {
+			timeSpread = "[" + fnum(s.Min/1000, 1) + ".." + fnum(s.Max/1000, 1) + "]"
+		}
+		t.Rows = append(t.Rows, []string{m,
+			num(res.BandwidthMBps, 1), spread(res, MetricBandwidth, 1), timeMS, timeSpread,
+			fmt.Sprint(res.RequestsTotal), num(res.CPUSecondsPerGB, 2),
+			r.ratio(m, ModeSidecar, WorkloadBulk, 0, "bandwidth_ratio"), r.ratio(m, ModeSidecar, WorkloadBulk, 0, "latency_avg_ratio"),
+			r.ratio(m, ModeDirect, WorkloadBulk, 0, "bandwidth_ratio"), r.ratio(m, ModeDirect, WorkloadBulk, 0, "latency_avg_ratio")})
+	}
+	t.Footer = r.hopLines(WorkloadBulk, 0)
+	return t
+}
+
 // workloadTitle says what a workload of a per-mode table ran.
 func (r *Report) workloadTitle(wl string) string {
 	c := r.Config
@@ -187,6 +222,9 @@ func (r *Report) workloadTitle(wl string) string {
 		return fmt.Sprintf("redis: redis-benchmark -c %d -t %s against redis-server %s (SET and GET combined)", redisClients, redisTests, c.RedisTarget)
 	case WorkloadRedisPipelined:
 		return fmt.Sprintf("redis pipelined: redis-benchmark -c %d -P %d -t %s against redis-server %s (SET and GET combined)", redisClients, redisPipeline, redisTests, c.RedisTarget)
+	case WorkloadBulk:
+		return fmt.Sprintf("bulk: curl downloads a %d MiB file from nginx %s, one transfer (and connection) at a time, %gs runs; "+
+			"MB/s = bytes / curl's time_total, ms/transfer = mean time_total, transfers = over all repeats", BulkBytes>>20, c.BulkURL, c.DurationSeconds)
 	}
 	return fmt.Sprintf("%s, %d connections, %s", http, c.Connections, runs)
 }

@@ -67,6 +67,10 @@ repeated, and reports medians, spread and per-repeat ratios:
              redis       redis-server in the server pod, redis-benchmark -c 50 -t set,get
                          in the client pod, plain and pipelined (-P 16): rows redis and
                          redis-p16 (Debian's redis-server, redis-tools)
+             bulk        nginx in the server pod serves a 64 MiB file, curl in the
+                         client pod downloads it, one transfer (and connection) at a
+                         time for the run's duration: MB/s and ms per transfer
+                         (Debian's nginx, curl)
 
 In every mode with an agent the report also says what the agent costs: each
 BPF program's runs and run time per request and per redirected message, and the
@@ -103,7 +107,7 @@ direct pod-to-pod traffic cross the nodes; app-to-sidecar hops stay on a node.`,
 	fl.DurationVar(&f.qperfDuration, "qperf-duration", 0, "length of one qperf test (and one unix floor test) per message size (default min(duration, 3s); whole seconds)")
 	fl.IntVar(&f.repeat, "repeat", bench.DefaultRepeat, "rounds of every mode (modes interleaved: A B C D A B C D ...)")
 	fl.StringSliceVar(&f.modes, "modes", bench.AllModes, "modes to run, in this order")
-	fl.StringSliceVar(&f.workloads, "workloads", bench.AllWorkloads, "workloads: http, tcp, qperf, unix (default), http-close, http-c1, tcp-c1, redis")
+	fl.StringSliceVar(&f.workloads, "workloads", bench.AllWorkloads, "workloads: http, tcp, qperf, unix (default), http-close, http-c1, tcp-c1, redis, bulk")
 	fl.StringSliceVar(&f.sizes, "sizes", nil, "qperf and unix message sizes (e.g. 1,64,256,1K,4K,16K; default those)")
 	fl.IntVar(&f.connections, "connections", bench.DefaultConnections, "fortio connections (http, tcp)")
 	fl.IntVar(&f.closeConns, "close-connections", bench.DefaultCloseConnections, "fortio connections of http-close (each request on a new connection)")
@@ -189,6 +193,13 @@ func runBench(cmd *cobra.Command, g *cli.Global, f *benchFlags) error {
 		for _, bin := range []string{"redis-server", "redis-benchmark"} {
 			if _, err := exec.LookPath(bin); err != nil {
 				return cli.WithExit(cli.ExitNotReady, fmt.Errorf("%s is not installed: run scripts/install-deps.sh (Debian redis-server, redis-tools), or drop redis from --workloads", bin))
+			}
+		}
+	}
+	if slices.Contains(opts.Workloads, bench.WorkloadBulk) {
+		for _, bin := range []string{"nginx", "curl"} {
+			if _, err := exec.LookPath(bin); err != nil {
+				return cli.WithExit(cli.ExitNotReady, fmt.Errorf("%s is not installed: run scripts/install-deps.sh (Debian nginx, curl), or drop bulk from --workloads", bin))
 			}
 		}
 	}
