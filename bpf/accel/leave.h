@@ -68,6 +68,27 @@ static __always_inline void stop_leave_checks(struct bpf_sock_ops *skops, __u32 
 }
 
 /*
+ * The connection goes to TCP (c->to_tcp), but this socket's direction is
+ * still REDIRECT and may never send again (a client awaiting a long
+ * response): only its own sk_msg switches it (redirect.h), so both sockets
+ * would stay in the hash. Its own callback, under its socket lock, switches
+ * it where that sk_msg would (switch_point), when no sendmsg of it is under
+ * way (its psock held by mw_sock_hash alone: tcp_bpf's sendmsg holds a
+ * reference from before its verdict to after its redirect). A sendmsg that
+ * starts later runs its verdict under the same lock, after this, and finds
+ * the decision PASSTHROUGH.
+ */
+static __always_inline void quiet_switch(struct mw_sk_state *st, struct mw_conn *c, __u32 me, struct sock *self)
+{
+	if (c->dir[me & 1] != MW_DIR_REDIRECT || redirect_backlog(self) || !own_dir_drained(c, me, self, 1))
+		return;
+	if (__sync_val_compare_and_swap(&c->dir[me & 1], MW_DIR_REDIRECT, MW_DIR_DRAINED) != MW_DIR_REDIRECT)
+		return;
+	st->decision = MW_CONN_PASSTHROUGH;
+	st->reason = c->to_tcp_reason;
+}
+
+/*
  * HDR_OPT_LEN_CB (the socket sends a TCP packet) and PARSE_HDR_OPT_CB (it
  * received one; the callback runs before the segment's bytes are queued). A
  * socket that will not (or no longer) redirect leaves mw_sock_hash, which
@@ -78,7 +99,8 @@ static __always_inline void stop_leave_checks(struct bpf_sock_ops *skops, __u32 
  *    the peer sends by TCP, so it is no local peer of ours: PASSTHROUGH;
  *  - PAIRED and gone to TCP: the peer will never redirect to it again
  *    (peer_quiet), its own redirect queue is empty (the kernel frees what is
- *    queued when the psock goes), and its own direction is drained.
+ *    queued when the psock goes), and its own direction is drained (one
+ *    that still redirects and is quiet switches here first: quiet_switch).
  * Receiving, it leaves before the first TCP byte lands, so a reader never
  * sees two queues. Until then it asks again with the next packet either
  * way. Sockets with nothing left to decide stop the callbacks.
@@ -109,10 +131,11 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 	if (c->state != MW_CONN_PAIRED || !c->to_tcp)
 		return;
 	me = dir_index(st->role);
-	if (!peer_quiet(c, 1 - me))
-		return;
 	tp = bpf_skc_to_tcp_sock(sk);
-	if (!tp || redirect_backlog((struct sock *)tp))
+	if (!tp)
+		return;
+	quiet_switch(st, c, me, (struct sock *)tp);
+	if (!peer_quiet(c, 1 - me) || redirect_backlog((struct sock *)tp))
 		return;
 	/* Sending, our own sendmsg holds a reference; receiving in softirq, none does. */
 	if (!own_dir_drained(c, me, (struct sock *)tp, receiving ? 1 : 2))

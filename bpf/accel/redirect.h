@@ -209,12 +209,16 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 			to_tcp(st, c, c->to_tcp_reason, MW_DIR_DRAINED);
 		} else if (over_budget(st, size) || tcp_memory_tight(sk, size, now)) {
 			/*
-			 * A one-way stream (the peer never redirected) goes to TCP as a
-			 * whole, so that its sockets can leave (unless streams are to
-			 * stay redirected: stream_run_msgs 0); else this direction
-			 * only: the other one may well stay fast.
+			 * The whole connection goes to TCP, so that its sockets can
+			 * leave: a direction left redirected would keep both in the
+			 * hash, and every later message of the bulk direction would
+			 * pay tcp_bpf's pass-through and a leave check per packet. A
+			 * peer that redirected and sends no more (a client awaiting a
+			 * long response) switches at its next TCP packet (leave.h,
+			 * quiet_switch). With streams to stay redirected
+			 * (stream_run_msgs 0): this direction only.
 			 */
-			if (stream_run_msgs && c && c->dir[1 - dir_index(st->role)] == MW_DIR_UNDECIDED) {
+			if (stream_run_msgs && c) {
 				to_tcp(st, c, MW_REASON_BACKPRESSURE, MW_DIR_TCP);
 			} else {
 				st->decision = MW_CONN_PASSTHROUGH;

@@ -423,3 +423,69 @@ func TestPrivilegedBackpressureFIONREADReader(t *testing.T) {
 		}
 	})
 }
+
+// A download: a request, then a response far beyond the redirect budget
+// that its reader lets pile up first. The response's direction goes to TCP
+// (backpressure), and with it the whole connection: the requester, which
+// redirected its request and sends nothing more, is switched at its TCP
+// packets, so both sockets leave the SOCKHASH while the response streams
+// and the rest of it is plain TCP. Every byte arrives in order, and FIONREAD
+// counts the TCP queue again both ways.
+func TestPrivilegedDownloadSocketsLeave(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	const chunk, chunks = 64 << 10, 1024 // 64 MiB
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		client, server := loopbackPair(t, a)
+		up, down := &streamDir{w: client, r: server}, &streamDir{w: server, r: client}
+		var before Stats
+		if a != nil {
+			before = stats(t, a)
+		}
+		if err := up.send(1, func(int) int { return 100 }); err != nil {
+			t.Fatal(err)
+		}
+		if err := up.recv(up.written, false, false); err != nil {
+			t.Fatal(err)
+		}
+		errc := make(chan error, 1)
+		go func() { errc <- down.send(chunks, func(int) int { return chunk }) }()
+		if a != nil {
+			waitFor(t, "the response to go to TCP (backpressure)", func() bool {
+				return stats(t, a).Sub(before).PassthroughConnections["backpressure"] > 0
+			})
+		}
+		leftAt := int64(-1)
+		for step := int64(1 << 20); down.read < chunk*chunks; {
+			if err := down.recv(min(down.read+step, chunk*chunks), false, false); err != nil {
+				t.Fatal(err)
+			}
+			if a != nil && leftAt < 0 && !inSockhash(t, a, client) && !inSockhash(t, a, server) {
+				leftAt = down.read
+			}
+		}
+		if err := <-errc; err != nil {
+			t.Fatal(err)
+		}
+		if a != nil {
+			t.Logf("both sockets out of the SOCKHASH after %d MiB of %d", leftAt>>20, chunk*chunks>>20)
+			if leftAt < 0 || leftAt > chunk*chunks*3/4 {
+				t.Fatalf("the sockets did not leave the SOCKHASH during the response (out after %d of %d bytes; -1: never)", leftAt, chunk*chunks)
+			}
+			d := stats(t, a).Sub(before)
+			if d.LeftSockets != 2 || d.AcceleratedSockets != 0 {
+				t.Fatalf("counters: left sockets %d (want 2), accelerated sockets %d (want 0)", d.LeftSockets, d.AcceleratedSockets)
+			}
+		}
+		for _, d := range []*streamDir{up, down} {
+			if err := d.send(10, func(int) int { return 100 }); err != nil {
+				t.Fatal(err)
+			}
+			if err := awaitInq(d.r, 1000); err != nil {
+				t.Fatal(err)
+			}
+			if err := d.recv(d.written, false, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
+}
