@@ -48,7 +48,7 @@ removed; running it twice is harmless.`,
 			return err
 		},
 	}
-	cmd.Flags().StringVar(&pinDir, "pin-dir", DefaultPinDir(), "bpffs directory the agent pinned to; $"+PinDirEnv+" sets the default")
+	addPinDirFlag(cmd, &pinDir)
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }

@@ -74,7 +74,7 @@ bad usage.`,
 			return nil
 		},
 	}
-	cmd.Flags().StringVar(&pinDir, "pin-dir", DefaultPinDir(), "bpffs directory the agent pinned to; $"+PinDirEnv+" sets the default")
+	addPinDirFlag(cmd, &pinDir)
 	cmd.Flags().StringArrayVar(&programs, "program", nil, "a learned program's name, as status lists it (repeatable)")
 	cmd.Flags().UintSliceVar(&ports, "port", nil, "a learned server port (repeatable)")
 	cmd.Flags().BoolVar(&all, "all", false, "forget every learned program and port")

@@ -109,7 +109,7 @@ attached). Counters are cumulative across agent restarts.
 			return nil
 		},
 	}
-	cmd.Flags().StringVar(&pinDir, "pin-dir", DefaultPinDir(), "bpffs directory the agent pinned to; $"+PinDirEnv+" sets the default")
+	addPinDirFlag(cmd, &pinDir)
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }

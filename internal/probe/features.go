@@ -349,16 +349,7 @@ func (p *prober) cgroupLink() {
 }
 
 func attachCgroupLink(root string) (where string, err error) {
-	prog, err := ebpf.NewProgramWithOptions(&ebpf.ProgramSpec{
-		Type:       ebpf.SockOps,
-		AttachType: ebpf.AttachCGroupSockOps,
-		License:    "GPL",
-		// Returns 1 without writing reply: every sock_ops decision keeps the
-		// kernel default (reply 0 reads as "no opinion") and the replies of
-		// other programs attached to the same cgroup are kept. Returning 0
-		// would make the kernel discard their replies.
-		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()},
-	}, ebpf.ProgramOptions{})
+	prog, err := ebpf.NewProgram(passProgram(ebpf.SockOps, ebpf.AttachCGroupSockOps))
 	if err != nil {
 		return "", fmt.Errorf("load sock_ops program: %w", err)
 	}
@@ -378,18 +369,41 @@ func attachCgroupLink(root string) (where string, err error) {
 		return where, fmt.Errorf("open cgroup: %w", err)
 	}
 	defer dir.Close()
-	l, err := link.AttachRawLink(link.RawLinkOptions{
+	return where, attachLinkBriefly(link.RawLinkOptions{
 		Target:  int(dir.Fd()),
 		Program: prog,
 		Attach:  ebpf.AttachCGroupSockOps,
-	})
+	}, "sock_ops link to "+where)
+}
+
+// passProgram is a program that only returns 1, so that attaching it for an
+// instant changes nothing for the sockets it sees: for sk_msg that is
+// SK_PASS; for sock_ops, returning without writing reply keeps the kernel
+// default of every decision (reply 0 reads as "no opinion") and the replies
+// of other programs attached to the same cgroup. Returning 0 would make the
+// kernel discard their replies.
+func passProgram(typ ebpf.ProgramType, attach ebpf.AttachType) *ebpf.ProgramSpec {
+	return &ebpf.ProgramSpec{
+		Type:         typ,
+		AttachType:   attach,
+		License:      "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()},
+	}
+}
+
+// attachLinkBriefly attaches a link with BPF_LINK_CREATE and closes it at
+// once; what names the link in the error. A kernel that lacks this kind of
+// link rejects its attach type with EINVAL, which makes the answer a
+// conclusive "not supported" (see feature); other errors stay inconclusive.
+func attachLinkBriefly(opts link.RawLinkOptions, what string) error {
+	l, err := link.AttachRawLink(opts)
 	if err != nil {
 		if errors.Is(err, unix.EINVAL) {
 			err = fmt.Errorf("%v: %w", err, ebpf.ErrNotSupported)
 		}
-		return where, fmt.Errorf("attach sock_ops link to %s: %w", where, err)
+		return fmt.Errorf("attach %s: %w", what, err)
 	}
-	return where, l.Close()
+	return l.Close()
 }
 
 // spliceLimitation names what no kernel meshwarp runs on can do yet: splice(2)
@@ -441,26 +455,14 @@ func attachSockmapLink() error {
 		return fmt.Errorf("create sockhash: %w", err)
 	}
 	defer m.Close()
-	prog, err := ebpf.NewProgramWithOptions(&ebpf.ProgramSpec{
-		Type:         ebpf.SkMsg,
-		AttachType:   ebpf.AttachSkMsgVerdict,
-		License:      "GPL",
-		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1 /* SK_PASS */), asm.Return()},
-	}, ebpf.ProgramOptions{})
+	prog, err := ebpf.NewProgram(passProgram(ebpf.SkMsg, ebpf.AttachSkMsgVerdict))
 	if err != nil {
 		return fmt.Errorf("load sk_msg program: %w", err)
 	}
 	defer prog.Close()
-	l, err := link.AttachRawLink(link.RawLinkOptions{
+	return attachLinkBriefly(link.RawLinkOptions{
 		Target:  m.FD(),
 		Program: prog,
 		Attach:  ebpf.AttachSkMsgVerdict,
-	})
-	if err != nil {
-		if errors.Is(err, unix.EINVAL) {
-			err = fmt.Errorf("%v: %w", err, ebpf.ErrNotSupported)
-		}
-		return fmt.Errorf("attach sk_msg link to sockhash: %w", err)
-	}
-	return l.Close()
+	}, "sk_msg link to sockhash")
 }
