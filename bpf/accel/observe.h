@@ -193,6 +193,16 @@ static __always_inline void obs_flush(struct mw_obs_sock *o, __u64 now)
 	obs_add(&k, 0, b, false);
 }
 
+/*
+ * Whether o's bytes are due in mw_flows. now is the coarse clock or the
+ * precise one, which runs up to a tick ahead: signed, so that a coarse now
+ * just behind a precise flushed_ns is not a flush.
+ */
+static __always_inline bool flush_due(const struct mw_obs_sock *o, __u64 now)
+{
+	return (__s64)(now - o->flushed_ns) > (__s64)MW_OBS_FLUSH_NS;
+}
+
 /* The socket's network namespace as /proc/PID/ns/net names it (its inode). */
 static __always_inline __u64 netns_inode(struct bpf_sock *sk)
 {
@@ -355,7 +365,7 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 	me = st->role == MW_ROLE_ACTIVE ? 0 : 1;
 	c->obs.sent[me] += size;
 	o->bytes += size;
-	if (now - o->flushed_ns > MW_OBS_FLUSH_NS) {
+	if (flush_due(o, now)) {
 		obs_peer_bytes(o, c, me);
 		obs_flush(o, now);
 	}

@@ -116,9 +116,10 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 		o->snd_next = end;
 	else
 		o->rcv_next = end;
-	now = bpf_ktime_get_ns();
 	if (kind == MW_HTTP_NONE && len >= MW_OBS_PEEK && bpf_skb_load_bytes(skb, off, buf, MW_OBS_PEEK) == 0)
 		kind = http_start(buf, &method, &status);
+	/* The precise clock only for an exchange's duration (as in obs_msg). */
+	now = kind == MW_HTTP_NONE ? bpf_ktime_get_coarse_ns() : bpf_ktime_get_ns();
 	if (kind == MW_HTTP_REQUEST) {
 		if (egress)
 			obs_app_request(o, method, now);
@@ -133,7 +134,7 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 		o->req_ns = 0;
 	}
 	o->bytes += len;
-	if (now - o->flushed_ns > MW_OBS_FLUSH_NS)
+	if (flush_due(o, now))
 		obs_flush(o, now);
 	return 1;
 }
