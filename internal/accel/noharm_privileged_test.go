@@ -76,7 +76,7 @@ func socketCookie(t testing.TB, c net.Conn) uint64 {
 // awaitInq polls FIONREAD until it reports want bytes. The peer has written
 // them all and nobody reads, so on TCP the count reaches want and stays.
 func awaitInq(c net.Conn, want int) error {
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(hangGuard)
 	last := -1
 	for time.Now().Before(deadline) {
 		n, err := inq(c)
