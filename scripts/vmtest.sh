@@ -19,8 +19,9 @@
 # Environment: MESHWARP_VM_CACHE (default /var/lib/meshwarp-vmtest: not under /var/cache,
 #   which the guest sees as an empty tmpfs, and the kernel's modules must be visible there),
 #   MESHWARP_VM_RUN_ACCEL (the -run pattern for internal/accel),
-#   MESHWARP_VM_TIMEOUT (seconds per VM, default 900), MESHWARP_VM_KEEP=1 keeps
-#   the work directory (logs) for a look afterwards.
+#   MESHWARP_VM_TIMEOUT (seconds per VM, default 1800: the guest's own test
+#   timeouts plus boot, see below), MESHWARP_VM_KEEP=1 keeps the work
+#   directory (logs) for a look afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -37,7 +38,14 @@ if ((${#kernels[@]} == 0)); then
 fi
 
 cache=${MESHWARP_VM_CACHE:-/var/lib/meshwarp-vmtest}
-timeout_s=${MESHWARP_VM_TIMEOUT:-900}
+# The guest's test binaries each have a timeout (go test -timeout), which
+# names the test that hangs; the VM's wall-clock timeout covers all of them
+# in a row plus boot and `meshwarp probe` (5 minutes), so it ends only a
+# guest that hangs outside the tests. A VM takes about 4.5 minutes; two at
+# their limit (60 minutes) and the rest of CI (about 9) stay under the 90
+# minutes CI allows.
+probe_timeout_s=300 accel_timeout_s=720 retry_timeout_s=480
+timeout_s=${MESHWARP_VM_TIMEOUT:-$((probe_timeout_s + accel_timeout_s + retry_timeout_s + 300))}
 
 # What proves a kernel, chosen for the emulation budget (about 4-6 minutes a
 # kernel): pairing and identity (loopback, across namespaces, NAT port remap,
@@ -164,7 +172,7 @@ export PATH=/usr/local/go/bin:\$PATH HOME=\$out/tmp TMPDIR=\$out/tmp
 export MESHWARP_REQUIRE_PRIVILEGED=1 MESHWARP_TEST_BIN=$work/meshwarp MESHWARP_VM_KERNEL=1
 uname -r >\$out/kernel
 $work/meshwarp probe >\$out/probe.log 2>&1; echo \$? >\$out/probe.rc
-(cd $repo/internal/probe && $work/probe.test -test.run '$probe_run' -test.v -test.count=1 -test.timeout 5m) >\$out/probe-tests.log 2>&1; echo \$? >\$out/probe-tests.rc
+(cd $repo/internal/probe && $work/probe.test -test.run '$probe_run' -test.v -test.count=1 -test.timeout ${probe_timeout_s}s) >\$out/probe-tests.log 2>&1; echo \$? >\$out/probe-tests.rc
 run='$accel_run'
 skip='^\$'
 case "\$(uname -r)" in
@@ -175,14 +183,14 @@ if grep -q '^FIONREAD of redirected bytes *off' \$out/probe.log; then
 	run='$accel_run_limited'
 	echo "FIONREAD of paired sockets is a named limitation here: left out: $fionread_tests" >>\$out/accel.log
 fi
-(cd $repo/internal/accel && $work/accel.test -test.run "\$run" -test.skip "\$skip" -test.v -test.count=1 -test.timeout 12m) >>\$out/accel.log 2>&1
+(cd $repo/internal/accel && $work/accel.test -test.run "\$run" -test.skip "\$skip" -test.v -test.count=1 -test.timeout ${accel_timeout_s}s) >>\$out/accel.log 2>&1
 rc=\$?
 # Emulation on a shared machine is slow and uneven: a test that failed runs
 # once more, alone, and the summary names it (retried) either way.
 failed=\$(sed -n 's/^--- FAIL: \\(TestPrivileged[A-Za-z0-9]*\\) .*/\\1/p' \$out/accel.log | tr '\\n' '|' | sed 's/|\$//')
 if [ \$rc != 0 ] && [ -n "\$failed" ]; then
 	echo "retried: \$failed" >>\$out/accel.log
-	(cd $repo/internal/accel && $work/accel.test -test.run "^(\$failed)\\\$" -test.skip "\$skip" -test.v -test.count=1 -test.timeout 8m) >\$out/accel-retry.log 2>&1
+	(cd $repo/internal/accel && $work/accel.test -test.run "^(\$failed)\\\$" -test.skip "\$skip" -test.v -test.count=1 -test.timeout ${retry_timeout_s}s) >\$out/accel-retry.log 2>&1
 	rc=\$?
 	sed 's/^--- /--- (retry) /' \$out/accel-retry.log >>\$out/accel.log
 fi

@@ -60,7 +60,7 @@ func fdExchange(w, r int, n int) error {
 	if _, err := unix.Write(w, msg); err != nil {
 		return fmt.Errorf("write: %w", err)
 	}
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(hangGuard)
 	for {
 		got, err := unix.IoctlGetInt(r, unix.SIOCINQ)
 		if err != nil {
@@ -88,7 +88,7 @@ func fdExchange(w, r int, n int) error {
 func waitFD(t *testing.T, fd int, events int16) {
 	t.Helper()
 	pfd := []unix.PollFd{{Fd: int32(fd), Events: events}}
-	if n, err := unix.Poll(pfd, 5000); n != 1 || err != nil {
+	if n, err := unix.Poll(pfd, int(hangGuard.Milliseconds())); n != 1 || err != nil {
 		t.Fatalf("poll(%#x): %d, %v", events, n, err)
 	}
 }

@@ -86,10 +86,10 @@ var callRows = []compatRow{
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			want := writeChunks(t, w, 30, 333)
 			var got []byte
-			deadline := time.Now().Add(5 * time.Second)
+			deadline := time.Now().Add(hangGuard)
 			for len(got) < len(want) {
 				if time.Now().After(deadline) {
-					t.Fatalf("FIONREAD reported %d of %d bytes in 5 s", len(got), len(want))
+					t.Fatalf("FIONREAD reported %d of %d bytes in %v", len(got), len(want), hangGuard)
 				}
 				n := fdIoctl(t, r, unix.SIOCINQ)
 				if n == 0 {
@@ -118,7 +118,7 @@ var callRows = []compatRow{
 		// A writer that waits for its send queue to empty before closing.
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			writeChunks(t, w, 10, 100)
-			deadline := time.Now().Add(5 * time.Second)
+			deadline := time.Now().Add(hangGuard)
 			for {
 				n := fdIoctl(t, w, unix.SIOCOUTQ)
 				if n > 1000 {
@@ -289,7 +289,7 @@ var callRows = []compatRow{
 			}()
 			var read int64
 			buf := make([]byte, 64<<10)
-			r.SetReadDeadline(time.Now().Add(10 * time.Second))
+			r.SetReadDeadline(time.Now().Add(hangGuard))
 			for {
 				n, err := r.Read(buf)
 				for i := range n {
@@ -323,7 +323,7 @@ var callRows = []compatRow{
 		name: "poll",
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			mustWrite(t, w, []byte("hello"))
-			if !waitReadable(t, r, 5*time.Second) {
+			if !waitReadable(t, r, hangGuard) {
 				t.Fatal("not readable with 5 bytes waiting")
 			}
 			if _, err := io.ReadFull(r, make([]byte, 5)); err != nil {
@@ -336,7 +336,7 @@ var callRows = []compatRow{
 			var rev int16
 			onFD(t, r, func(fd int) {
 				pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN | unix.POLLRDHUP}}
-				unix.Poll(pfd, 5000)
+				unix.Poll(pfd, int(hangGuard.Milliseconds()))
 				rev = pfd[0].Revents
 			})
 			if rev&unix.POLLRDHUP == 0 || rev&unix.POLLIN == 0 {
@@ -418,7 +418,7 @@ var callRows = []compatRow{
 				}
 			})
 			got := make([]byte, len(want))
-			r.SetReadDeadline(time.Now().Add(5 * time.Second))
+			r.SetReadDeadline(time.Now().Add(hangGuard))
 			if _, err := io.ReadFull(r, got); err != nil || !bytes.Equal(got, want) {
 				t.Fatalf("sendfile: %v (or bytes differ)", err)
 			}

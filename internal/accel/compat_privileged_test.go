@@ -91,7 +91,7 @@ func (row compatRow) kernelRefuses(t *testing.T) error {
 	return unix.SetsockoptInt(fd, row.level, row.opt, row.val)
 }
 
-// waitReadable polls r until poll() reports it readable; false after 5 s.
+// waitReadable polls r until poll() reports it readable; false after timeout.
 func waitReadable(t *testing.T, r net.Conn, timeout time.Duration) bool {
 	t.Helper()
 	ready := false
@@ -103,11 +103,11 @@ func waitReadable(t *testing.T, r net.Conn, timeout time.Duration) bool {
 	return ready
 }
 
-// recvmsgCmsgs reads once (blocking up to 5 s) and returns the data and control messages.
+// recvmsgCmsgs reads once (blocking up to hangGuard) and returns the data and control messages.
 func recvmsgCmsgs(t *testing.T, r net.Conn, size int) ([]byte, []unix.SocketControlMessage) {
 	t.Helper()
-	if !waitReadable(t, r, 5*time.Second) {
-		t.Fatal("nothing to read after 5 s")
+	if !waitReadable(t, r, hangGuard) {
+		t.Fatalf("nothing to read after %v", hangGuard)
 	}
 	buf, oob := make([]byte, size), make([]byte, 512)
 	var n, oobn int
@@ -145,7 +145,7 @@ var compatRows = []compatRow{
 		level: unix.SOL_SOCKET, opt: unix.SO_PEEK_OFF, val: 0,
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			mustWrite(t, w, []byte("abcdef"))
-			if !waitReadable(t, r, 5*time.Second) {
+			if !waitReadable(t, r, hangGuard) {
 				t.Fatal("nothing to read")
 			}
 			var got []byte
@@ -184,7 +184,7 @@ var compatRows = []compatRow{
 		check: func(t *testing.T, w, r net.Conn, _ bool) {
 			// The kernel turns receive timestamping on with a deferred
 			// static key: the first segments may have none, later ones do.
-			deadline := time.Now().Add(5 * time.Second)
+			deadline := time.Now().Add(hangGuard)
 			for time.Now().Before(deadline) {
 				mustWrite(t, w, bytes.Repeat([]byte{'t'}, 100))
 				_, msgs := recvmsgCmsgs(t, r, 100)
@@ -192,7 +192,7 @@ var compatRows = []compatRow{
 					return
 				}
 			}
-			t.Fatal("no SCM_TIMESTAMPNS control message within 5 s with SO_TIMESTAMPNS set")
+			t.Fatalf("no SCM_TIMESTAMPNS control message within %v with SO_TIMESTAMPNS set", hangGuard)
 		},
 	},
 	{
@@ -205,7 +205,7 @@ var compatRows = []compatRow{
 				t.Fatal("readable with 1000 of SO_RCVLOWAT 3000 bytes")
 			}
 			mustWrite(t, w, bytes.Repeat([]byte{'l'}, 2000))
-			if !waitReadable(t, r, 5*time.Second) {
+			if !waitReadable(t, r, hangGuard) {
 				t.Fatal("not readable with SO_RCVLOWAT 3000 bytes waiting")
 			}
 		},
@@ -224,7 +224,7 @@ var compatRows = []compatRow{
 			var got bool
 			onFD(t, w, func(fd int) {
 				pfd := []unix.PollFd{{Fd: int32(fd), Events: 0}}
-				deadline := time.Now().Add(5 * time.Second)
+				deadline := time.Now().Add(hangGuard)
 				for time.Now().Before(deadline) {
 					if n, _ := unix.Poll(pfd, 100); n == 1 && pfd[0].Revents&unix.POLLERR != 0 {
 						break
@@ -235,7 +235,7 @@ var compatRows = []compatRow{
 				got = err == nil && oobn > 0
 			})
 			if !got {
-				t.Fatal("no MSG_ZEROCOPY completion on the error queue within 5 s")
+				t.Fatalf("no MSG_ZEROCOPY completion on the error queue within %v", hangGuard)
 			}
 			if _, err := io.ReadFull(r, make([]byte, len(payload))); err != nil {
 				t.Fatalf("read: %v", err)

@@ -26,7 +26,7 @@ import (
 // is generated from these rows (TestCompatTableInDocs).
 
 // blockingRecv runs recvfrom on c's descriptor in blocking mode on a thread
-// of its own, bounded by SO_RCVTIMEO (5 s).
+// of its own, bounded by SO_RCVTIMEO (hangGuard).
 func blockingRecv(t *testing.T, c net.Conn, buf []byte, flags int) (int, error) {
 	t.Helper()
 	type ret struct {
@@ -39,7 +39,7 @@ func blockingRecv(t *testing.T, c net.Conn, buf []byte, flags int) (int, error) 
 		defer runtime.UnlockOSThread()
 		var r ret
 		onFD(t, c, func(fd int) {
-			tv := unix.Timeval{Sec: 5}
+			tv := unix.NsecToTimeval(hangGuard.Nanoseconds())
 			unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
 			unix.SetNonblock(fd, false)
 			r.n, _, r.err = unix.Recvfrom(fd, buf, flags)
@@ -64,7 +64,7 @@ func writeChunks(t *testing.T, w net.Conn, n, size int) []byte {
 	return all
 }
 
-// awaitInqOf fails unless FIONREAD reaches want within 5 s.
+// awaitInqOf fails unless FIONREAD reaches want (within hangGuard).
 func awaitInqOf(t *testing.T, r net.Conn, want int) {
 	t.Helper()
 	if err := awaitInq(r, want); err != nil {
@@ -83,10 +83,10 @@ func fdIoctl(t *testing.T, c net.Conn, req uint) int {
 	return n
 }
 
-// readUntilEOF reads r to EOF (5 s at most) and returns what it read.
+// readUntilEOF reads r to EOF (hangGuard at most) and returns what it read.
 func readUntilEOF(t *testing.T, r net.Conn) ([]byte, error) {
 	t.Helper()
-	r.SetReadDeadline(time.Now().Add(5 * time.Second))
+	r.SetReadDeadline(time.Now().Add(hangGuard))
 	defer r.SetReadDeadline(time.Time{})
 	return io.ReadAll(r)
 }
@@ -97,7 +97,7 @@ func readUntilEOF(t *testing.T, r net.Conn) ([]byte, error) {
 // it takes as "drained" unless EPOLLRDHUP was reported (nginx's
 // ngx_unix_recv does exactly this). It returns the bytes
 // read before the peer's FIN and whether EPOLLRDHUP was reported; a wait
-// of 5 s without an event is a stall.
+// of hangGuard without an event is a stall.
 func epollReader(t *testing.T, r net.Conn, edge bool) ([]byte, bool) {
 	t.Helper()
 	var got []byte
@@ -118,7 +118,7 @@ func epollReader(t *testing.T, r net.Conn, edge bool) ([]byte, bool) {
 		evs := make([]unix.EpollEvent, 1)
 		buf := make([]byte, 4096)
 		for {
-			n, err := unix.EpollWait(ep, evs, 5000)
+			n, err := unix.EpollWait(ep, evs, int(hangGuard.Milliseconds()))
 			if errors.Is(err, unix.EINTR) {
 				continue
 			}
@@ -126,7 +126,7 @@ func epollReader(t *testing.T, r net.Conn, edge bool) ([]byte, bool) {
 				t.Fatalf("epoll_wait: %v", err)
 			}
 			if n == 0 {
-				t.Fatalf("stalled: no event for 5 s after %d bytes (FIONREAD %d)", len(got), inqOrMinus(fd))
+				t.Fatalf("stalled: no event for %v after %d bytes (FIONREAD %d)", hangGuard, len(got), inqOrMinus(fd))
 			}
 			if evs[0].Events&unix.EPOLLRDHUP != 0 {
 				rdhup = true
@@ -219,7 +219,7 @@ func fillAndDrain(t *testing.T, client, server net.Conn) {
 	var total int
 	buf := make([]byte, 64<<10)
 	onFD(t, client, func(fd int) {
-		deadline := time.Now().Add(5 * time.Second)
+		deadline := time.Now().Add(hangGuard)
 		for time.Now().Before(deadline) {
 			n, err := unix.Write(fd, buf)
 			if errors.Is(err, unix.EAGAIN) {
@@ -230,7 +230,7 @@ func fillAndDrain(t *testing.T, client, server net.Conn) {
 			}
 			total += n
 		}
-		t.Fatal("the writer never blocked in 5 s")
+		t.Fatalf("the writer never blocked in %v", hangGuard)
 	})
 	if _, err := io.ReadFull(server, make([]byte, total)); err != nil {
 		t.Fatal(err)
@@ -386,8 +386,8 @@ func readOOB(t *testing.T, r net.Conn) (urgent, data string) {
 	t.Helper()
 	onFD(t, r, func(fd int) {
 		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLRDHUP}}
-		if n, _ := unix.Poll(pfd, 5000); n != 1 {
-			t.Fatal("no FIN from the writer in 5 s")
+		if n, _ := unix.Poll(pfd, int(hangGuard.Milliseconds())); n != 1 {
+			t.Fatalf("no FIN from the writer in %v", hangGuard)
 		}
 		b := make([]byte, 1)
 		if n, _, err := unix.Recvfrom(fd, b, unix.MSG_OOB|unix.MSG_DONTWAIT); err == nil {

@@ -9,6 +9,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
 // Every field of the C struct mw_counters (its generated Go copy) is read
@@ -159,4 +161,14 @@ func TestReasonDocs(t *testing.T) {
 		return
 	}
 	t.Fatalf("the reason table in %s differs from reasonDocs: run MESHWARP_UPDATE_DOCS=1 go test ./internal/accel -run TestReasonDocs", reasonsDoc)
+}
+
+// The tests' pairing-race reasons (testutil.PairingRaceReasons, which
+// cannot import this package) are reasons of the object.
+func TestPairingRaceReasonsAreReasons(t *testing.T) {
+	for _, r := range testutil.PairingRaceReasons {
+		if !slices.Contains(ReasonNames(), r) {
+			t.Errorf("testutil.PairingRaceReasons names %q, not in enum mw_reason %v", r, ReasonNames())
+		}
+	}
 }

@@ -76,7 +76,7 @@ func socketCookie(t testing.TB, c net.Conn) uint64 {
 // awaitInq polls FIONREAD until it reports want bytes. The peer has written
 // them all and nobody reads, so on TCP the count reaches want and stays.
 func awaitInq(c net.Conn, want int) error {
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(hangGuard)
 	last := -1
 	for time.Now().Before(deadline) {
 		n, err := inq(c)
@@ -326,9 +326,15 @@ func TestPrivilegedNoHarmPassthroughFIONREAD(t *testing.T) {
 			}
 			t.Logf("removed %v, passthrough conns %v", d.RemovedSockets, d.PassthroughConnections)
 			// Server first: the client waits, its timer fires. Client first:
-			// its first byte decides no_peer, the accepted side removes it.
-			if d.RemovedSockets["unpaired_timeout"] < 2 || d.RemovedSockets["no_peer"] < 2 {
-				t.Fatalf("want >= 2 sockets removed by unpaired_timeout and by no_peer, got %v", d.RemovedSockets)
+			// its first byte decides no_peer and the accepted side removes
+			// it, unless the client's write comes later than the unpaired
+			// timeout (10 ms, a busy machine's scheduling delay): then its
+			// timer decided first. Either way each client leaves the
+			// SOCKHASH, for one of these two reasons.
+			timer, first := d.RemovedSockets["unpaired_timeout"], d.RemovedSockets["no_peer"]
+			if timer < 2 || timer+first < uint64(len(exchangeCases)) {
+				t.Fatalf("want the %d clients removed by unpaired_timeout or no_peer, the 2 server-first ones by unpaired_timeout; got %v",
+					len(exchangeCases), nonZero(d.RemovedSockets))
 			}
 			if d.RedirectedBytes != 0 {
 				t.Fatalf("%d bytes redirected on connections left to TCP", d.RedirectedBytes)

@@ -126,18 +126,32 @@ func TestPrivilegedAcceleratedHops(t *testing.T) {
 				}
 				t.Logf("agent: paired sockets %d, redirected %d msgs / %d bytes, passthrough %d msgs, connections by reason %v",
 					s.PairedSockets, s.RedirectedMessages, s.RedirectedBytes, s.PassthroughMessages, s.PassthroughConnections)
-				for _, name := range []string{"app_to_sidecar", "sidecar_to_sidecar", "sidecar_to_app"} {
+				// Pairing is decided per connection at its handshake; a
+				// connection whose client writes before its peer is
+				// established, or whose peer comes after the unpaired
+				// timeout, stays on TCP (a race a busy machine loses now
+				// and then: testutil.CheckPaired). Each connection of the
+				// three hops is paired or lost that race, and a clear
+				// majority of each hop's are paired.
+				hops := []string{"app_to_sidecar", "sidecar_to_sidecar", "sidecar_to_app"}
+				var paired uint64
+				for _, name := range hops {
 					h := s.Hops[name]
 					t.Logf("agent: hop %-18s paired %4d conns, redirected %6d msgs / %9d bytes", name, h.PairedConnections, h.RedirectedMessages, h.RedirectedBytes)
-					// Pairing is decided per connection at its handshake; a
-					// connection whose client writes before its peer is
-					// established stays on TCP. Most must be paired.
-					if h.PairedConnections < n*9/10 || h.RedirectedBytes == 0 {
-						t.Errorf("hop %s: %d of %d connections paired (%v)", name, h.PairedConnections, n, s.PassthroughConnections)
+					paired += h.PairedConnections
+					if float64(h.PairedConnections) < testutil.MinPairedShare*float64(n) || h.RedirectedBytes == 0 {
+						t.Errorf("hop %s: %d of %d connections paired, want >= %.0f%% (left to TCP: %v)", name, h.PairedConnections, n, 100*testutil.MinPairedShare, s.PassthroughConnections)
 					}
 				}
-				if total := s.RedirectedMessages + s.PassthroughMessages; s.RedirectedMessages*100 < total*95 {
-					t.Errorf("only %d of %d messages redirected, want >= 95%%", s.RedirectedMessages, total)
+				if err := testutil.CheckPaired(paired, uint64(len(hops))*n, s.PassthroughConnections); err != nil {
+					t.Errorf("the %d hops: %v", len(hops), err)
+				}
+				// The messages of connections that lost the race went by TCP
+				// by design; of the others, >= 95 % were redirected.
+				raced := testutil.RaceLost(s.PassthroughByReason)
+				if total := s.RedirectedMessages + s.PassthroughMessages - raced; s.RedirectedMessages*100 < total*95 {
+					t.Errorf("only %d of %d messages redirected, want >= 95%% (%d more went by TCP on connections that lost their pairing race; by reason: %v)",
+						s.RedirectedMessages, total, raced, s.PassthroughByReason)
 				}
 			})
 		})
