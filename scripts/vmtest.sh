@@ -229,6 +229,11 @@ for k in "${kernels[@]}"; do
 		if [[ "$rc" != 0 ]]; then
 			echo "vmtest: $k: $part failed (exit $rc); last lines of its log:"
 			tail -60 "$log" 2>/dev/null | sed 's/^/    /' || true
+			if [[ "$rc" == missing ]]; then
+				# The guest stopped before the part ended (a kernel oops, the OOM killer): its console says which.
+				echo "vmtest: $k: the guest stopped during $part; last lines of its console:"
+				tail -60 "$out/console.log" 2>/dev/null | sed 's/^/    /' || true
+			fi
 			ok=0
 		fi
 	done
