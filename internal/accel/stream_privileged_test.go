@@ -489,3 +489,47 @@ func TestPrivilegedDownloadSocketsLeave(t *testing.T) {
 		}
 	})
 }
+
+// The switch of a side that still redirects (quiet_switch, at its TCP
+// packets) races that side's own writes: while a response far beyond the
+// redirect budget streams one way, the requester keeps writing small
+// messages the other way. Several connections at once; every byte of both
+// directions arrives in order, with the agent and without.
+func TestPrivilegedDownloadWhileUploadingKeepsEveryByte(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	const conns, chunk, chunks, uploads = 8, 64 << 10, 256, 3000 // 16 MiB down, ~150 KB up per connection
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		var before Stats
+		if a != nil {
+			before = stats(t, a)
+		}
+		errc := make(chan error, 4*conns)
+		for range conns {
+			client, server := loopbackPair(t, a)
+			up, down := &streamDir{w: client, r: server}, &streamDir{w: server, r: client}
+			// The request first, redirected: the requester's direction is "redirect".
+			if err := up.send(1, func(int) int { return 100 }); err != nil {
+				t.Fatal(err)
+			}
+			if err := up.recv(up.written, false, false); err != nil {
+				t.Fatal(err)
+			}
+			upTotal := up.written + sumSizes(uploads, smallSize)
+			go func() { errc <- down.send(chunks, func(int) int { return chunk }) }()
+			go func() { errc <- up.send(uploads, smallSize) }()
+			go func() { errc <- up.recv(upTotal, false, false) }()
+			go func() { errc <- down.recv(chunk*chunks, false, false) }()
+		}
+		for range 4 * conns {
+			if err := <-errc; err != nil {
+				t.Fatal(err)
+			}
+		}
+		if a != nil {
+			d := stats(t, a).Sub(before)
+			t.Logf("backpressure connections %d, small_stream %d, sockets left %d, redirected %d messages, passthrough %v",
+				d.PassthroughConnections["backpressure"], d.PassthroughConnections["small_stream"], d.LeftSockets,
+				d.RedirectedMessages, d.PassthroughByReason)
+		}
+	})
+}
