@@ -295,6 +295,19 @@ type built struct {
 
 var binaries sync.Map // command name -> *built
 
+// Main runs a package's tests (its TestMain) and then removes the binaries
+// Binary built for them, which live as long as the test process.
+func Main(m *testing.M) int {
+	code := m.Run()
+	binaries.Range(func(_, v any) bool {
+		if b := v.(*built); b.path != "" {
+			os.RemoveAll(filepath.Dir(b.path))
+		}
+		return true
+	})
+	return code
+}
+
 // Binary builds ./cmd/<name> of this module once per test binary, for tests
 // that run a command as a user or the DaemonSet would (a separate process,
 // a terminal), and returns its path. The binary's directory is readable and
