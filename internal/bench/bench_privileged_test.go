@@ -243,19 +243,7 @@ func workerProcesses(t *testing.T) []string {
 // http-close, run time per redirected message) and its idle cost.
 func TestPrivilegedBenchCostWorkloads(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	for _, bin := range []string{"haproxy", "redis-server", "redis-benchmark", "iptables", "ip"} {
-		if _, err := exec.LookPath(bin); err != nil {
-			t.Fatalf("%s not installed: run scripts/install-deps.sh", bin)
-		}
-	}
-	if _, err := lab.Load(); err != nil {
-		if left := lab.Leftovers(); len(left) > 0 {
-			t.Fatalf("leftovers of an earlier lab (run `meshwarp lab down`): %v", left)
-		}
-	}
-	if bench.PinDirLeft(bench.DefaultPinDir) {
-		t.Fatalf("%s exists before the test: run `meshwarp cleanup --pin-dir %s`", bench.DefaultPinDir, bench.DefaultPinDir)
-	}
+	requireBenchReady(t, "haproxy", "redis-server", "redis-benchmark", "iptables", "ip")
 	jsonPath := filepath.Join(t.TempDir(), "bench.json")
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
@@ -317,19 +305,7 @@ func TestPrivilegedBenchCostWorkloads(t *testing.T) {
 // file, in every mode, and nothing is left behind (nginx, its temp dir).
 func TestPrivilegedBenchBulk(t *testing.T) {
 	testutil.RequirePrivileged(t)
-	for _, bin := range []string{"haproxy", "nginx", "curl", "iptables", "ip"} {
-		if _, err := exec.LookPath(bin); err != nil {
-			t.Fatalf("%s not installed: run scripts/install-deps.sh", bin)
-		}
-	}
-	if _, err := lab.Load(); err != nil {
-		if left := lab.Leftovers(); len(left) > 0 {
-			t.Fatalf("leftovers of an earlier lab (run `meshwarp lab down`): %v", left)
-		}
-	}
-	if bench.PinDirLeft(bench.DefaultPinDir) {
-		t.Fatalf("%s exists before the test: run `meshwarp cleanup --pin-dir %s`", bench.DefaultPinDir, bench.DefaultPinDir)
-	}
+	requireBenchReady(t, "haproxy", "nginx", "curl", "iptables", "ip")
 	// the bench's temp dir goes here, to see that it is removed
 	tmp := t.TempDir()
 	t.Setenv("TMPDIR", tmp)
@@ -393,4 +369,24 @@ func processesWith(t *testing.T, s string) []string {
 		}
 	}
 	return out
+}
+
+// requireBenchReady fails unless the programs bins are installed, no earlier
+// lab left anything behind and no bench agent is pinned: a bench test
+// starts from a clean machine.
+func requireBenchReady(t *testing.T, bins ...string) {
+	t.Helper()
+	for _, bin := range bins {
+		if _, err := exec.LookPath(bin); err != nil {
+			t.Fatalf("%s not installed: run scripts/install-deps.sh", bin)
+		}
+	}
+	if _, err := lab.Load(); err != nil {
+		if left := lab.Leftovers(); len(left) > 0 {
+			t.Fatalf("leftovers of an earlier lab (run `meshwarp lab down`): %v", left)
+		}
+	}
+	if bench.PinDirLeft(bench.DefaultPinDir) {
+		t.Fatalf("%s exists before the test: run `meshwarp cleanup --pin-dir %s`", bench.DefaultPinDir, bench.DefaultPinDir)
+	}
 }
