@@ -204,8 +204,9 @@ for k in "${kernels[@]}"; do
 	mkdir -p "$out"
 	step "kernel $k: boot and run (software emulation)"
 	start=$SECONDS
-	# qemu wants a pipe as stdout; its console output is only shown on failure.
-	timeout --kill-after=20 "$timeout_s" vng -r "$cache/kernels/$k/boot/vmlinuz-$k" --disable-kvm \
+	# qemu wants a pipe as stdout; its console output (with --verbose, the
+	# guest kernel's log: an oops or the OOM killer) is only shown on failure.
+	timeout --kill-after=20 "$timeout_s" vng -r "$cache/kernels/$k/boot/vmlinuz-$k" --disable-kvm --verbose \
 		-m "$vm_mem" -p 2 --rwdir "$out" -- "sh $work/guest.sh $out" 2>&1 | cat >"$out/console.log" || true
 	took[$k]=$((SECONDS - start))
 	ok=1
