@@ -264,7 +264,10 @@ static __always_inline void obs_end(struct bpf_sock *sk, __u32 old_state)
 	if (!o || !o->start_ns)
 		return;
 	now = bpf_ktime_get_ns();
-	obs_flush(o, now);
+	/*
+	 * Its unflushed bytes go with its end: one flow update, not two
+	 * (readers sum a server's bytes over every outcome).
+	 */
 	obs_flow_key(&k, o, MW_PROTO_TCP);
 	k.accelerated = o->accelerated;
 	if (old_state == BPF_TCP_SYN_SENT)
@@ -273,7 +276,9 @@ static __always_inline void obs_end(struct bpf_sock *sk, __u32 old_state)
 		k.outcome = MW_TCP_RESET;
 	else
 		k.outcome = MW_TCP_CLOSED;
-	obs_add(&k, now - o->start_ns, 0, true);
+	obs_add(&k, now - o->start_ns, o->bytes, true);
+	o->bytes = 0;
+	o->flushed_ns = now;
 	o->start_ns = 0; /* once: a socket reconnected after connect(AF_UNSPEC) starts again */
 }
 

@@ -53,8 +53,9 @@ const (
 )
 
 // Flow is what one observation point saw of one server: HTTP exchanges by
-// method and status, or TCP connections by how they ended (Outcome "open"
-// carries only the bytes of connections not ended yet).
+// method and status, or TCP connections by how they ended. Bytes are
+// counted at least once a second while a connection is open (Outcome
+// "open") and at its end with its outcome: a server's bytes are the sum.
 type Flow struct {
 	Point       string         `json:"point"`
 	Proto       string         `json:"protocol"` // "http" or "tcp"
