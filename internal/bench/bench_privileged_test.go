@@ -104,6 +104,25 @@ func runCLI(ctx context.Context, args ...string) (stdout, stderr string, err err
 	return out.String(), errOut.String(), err
 }
 
+// runBenchWorkloads runs `meshwarp bench` for a second of each of workloads
+// (comma-separated) in every mode, fails if it fails or leaves agent pins
+// behind, and returns the path of its JSON report.
+func runBenchWorkloads(t *testing.T, workloads string) (jsonPath string) {
+	t.Helper()
+	jsonPath = filepath.Join(t.TempDir(), "bench.json")
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	stdout, stderr, err := runCLI(ctx, "bench", "--workloads", workloads, "--duration", "1s", "--repeat", "1", "--json", jsonPath)
+	t.Logf("%s", stdout)
+	if err != nil {
+		t.Fatalf("bench: %v\nstderr:\n%s", err, stderr)
+	}
+	if bench.PinDirLeft(bench.DefaultPinDir) {
+		t.Errorf("agent pins left in %s", bench.DefaultPinDir)
+	}
+	return jsonPath
+}
+
 // readReport reads the bench JSON at path, requires it to follow
 // docs/bench-schema.json and reports the failed runs it lists.
 func readReport(t *testing.T, path string) *bench.Report {
@@ -244,17 +263,7 @@ func workerProcesses(t *testing.T) []string {
 func TestPrivilegedBenchCostWorkloads(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	requireBenchReady(t, "haproxy", "redis-server", "redis-benchmark", "iptables", "ip")
-	jsonPath := filepath.Join(t.TempDir(), "bench.json")
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
-	stdout, stderr, err := runCLI(ctx, "bench", "--workloads", "http-close,http-c1,tcp-c1,redis", "--duration", "1s", "--repeat", "1", "--json", jsonPath)
-	t.Logf("%s", stdout)
-	if err != nil {
-		t.Fatalf("bench: %v\nstderr:\n%s", err, stderr)
-	}
-	if bench.PinDirLeft(bench.DefaultPinDir) {
-		t.Errorf("agent pins left in %s", bench.DefaultPinDir)
-	}
+	jsonPath := runBenchWorkloads(t, "http-close,http-c1,tcp-c1,redis")
 	if procs := workerProcesses(t); len(procs) > 0 {
 		t.Errorf("worker processes left: %v", procs)
 	}
@@ -309,17 +318,7 @@ func TestPrivilegedBenchBulk(t *testing.T) {
 	// the bench's temp dir goes here, to see that it is removed
 	tmp := t.TempDir()
 	t.Setenv("TMPDIR", tmp)
-	jsonPath := filepath.Join(t.TempDir(), "bench.json")
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
-	stdout, stderr, err := runCLI(ctx, "bench", "--workloads", "bulk", "--duration", "1s", "--repeat", "1", "--json", jsonPath)
-	t.Logf("%s", stdout)
-	if err != nil {
-		t.Fatalf("bench: %v\nstderr:\n%s", err, stderr)
-	}
-	if bench.PinDirLeft(bench.DefaultPinDir) {
-		t.Errorf("agent pins left in %s", bench.DefaultPinDir)
-	}
+	jsonPath := runBenchWorkloads(t, "bulk")
 	if left, _ := os.ReadDir(tmp); len(left) > 0 {
 		t.Errorf("bench left in its temp dir: %v", left)
 	}
