@@ -237,22 +237,11 @@ func checkQuickResults(t *testing.T, rep *bench.Report) {
 // the worker helper).
 func workerProcesses(t *testing.T) []string {
 	t.Helper()
-	var out []string
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range entries {
-		env, err := os.ReadFile(filepath.Join("/proc", e.Name(), "environ"))
-		if err != nil {
-			continue
-		}
-		if bytes.Contains(env, []byte(lab.ReexecEnvFor(bench.WorkerHelper))) {
-			cmd, _ := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-			out = append(out, e.Name()+": "+strings.ReplaceAll(string(cmd), "\x00", " "))
-		}
-	}
-	return out
+	worker := []byte(lab.ReexecEnvFor(bench.WorkerHelper))
+	return processes(t, func(pid string, _ []byte) bool {
+		env, err := os.ReadFile(filepath.Join("/proc", pid, "environ"))
+		return err == nil && bytes.Contains(env, worker)
+	})
 }
 
 // TestPrivilegedBenchCostWorkloads runs the cost workloads (http-close,
@@ -356,14 +345,21 @@ func TestPrivilegedBenchBulk(t *testing.T) {
 // processesWith lists the processes whose command line contains s.
 func processesWith(t *testing.T, s string) []string {
 	t.Helper()
+	return processes(t, func(_ string, cmdline []byte) bool { return bytes.Contains(cmdline, []byte(s)) })
+}
+
+// processes lists the processes that match accepts (given its pid and
+// command line), as "pid: command line".
+func processes(t *testing.T, match func(pid string, cmdline []byte) bool) []string {
+	t.Helper()
 	var out []string
 	entries, err := os.ReadDir("/proc")
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, e := range entries {
-		cmd, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err == nil && bytes.Contains(cmd, []byte(s)) {
+		cmd, _ := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline")) // a process gone by now: empty
+		if match(e.Name(), cmd) {
 			out = append(out, e.Name()+": "+strings.ReplaceAll(string(cmd), "\x00", " "))
 		}
 	}
