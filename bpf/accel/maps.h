@@ -132,6 +132,7 @@ MW_PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct mw_policy_cfg) mw_policy SEC(
 /* Destination port (host order) -> enum mw_port_action. */
 MW_PINNED_MAP(BPF_MAP_TYPE_HASH, 1024, __u32, __u32) mw_port_policy SEC(".maps");
 
+/* The include and exclude lists of destinations (CIDRs): two maps, one shape. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
@@ -139,16 +140,7 @@ struct {
 	__type(key, struct mw_cidr_key);
 	__type(value, __u32);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_cidr_incl SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(max_entries, 1024);
-	__type(key, struct mw_cidr_key);
-	__type(value, __u32);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_cidr_excl SEC(".maps");
+} mw_cidr_incl SEC(".maps"), mw_cidr_excl SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_CGROUP_ARRAY);
