@@ -43,6 +43,7 @@
 #include "bpf_helpers.h"
 #include "bpf_endian.h"
 #include "bpf_core_read.h"
+#include "pinned_map.h"
 #include "accel.h"
 #include "maps.h"
 #include "sock.h"

@@ -48,21 +48,9 @@ const volatile __u32 stream_small_bytes_remote; /* across namespaces (veth) */
 /* Capacity is set by the loader (MaxEntries); this is the default. */
 #define MW_DEFAULT_CAPACITY 65536
 
-struct {
-	__uint(type, BPF_MAP_TYPE_SOCKHASH);
-	__uint(max_entries, MW_DEFAULT_CAPACITY);
-	__type(key, struct mw_sock_key);
-	__type(value, __u64);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_sock_hash SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_SOCKHASH, MW_DEFAULT_CAPACITY, struct mw_sock_key, __u64) mw_sock_hash SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, MW_DEFAULT_CAPACITY);
-	__type(key, struct mw_conn_id);
-	__type(value, struct mw_conn);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_conns SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_HASH, MW_DEFAULT_CAPACITY, struct mw_conn_id, struct mw_conn) mw_conns SEC(".maps");
 
 /*
  * Step 0 notes (hints.h), not keyed by netns: the active side may be in
@@ -70,13 +58,7 @@ struct {
  * mw_sock_hash; the pairing itself is proven by both sequence numbers
  * (mw_conns), and the timer bounds a wrong note.
  */
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, MW_DEFAULT_CAPACITY);
-	__type(key, struct mw_syn_id);
-	__type(value, struct mw_connect);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_connecting SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_LRU_HASH, MW_DEFAULT_CAPACITY, struct mw_syn_id, struct mw_connect) mw_connecting SEC(".maps");
 
 /*
  * Connections whose connecting socket found no note (no_local_peer), with
@@ -84,13 +66,7 @@ struct {
  * it re-counts the connection under the precise reason (addr_mismatch,
  * hint_missed).
  */
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, MW_DEFAULT_CAPACITY);
-	__type(key, struct mw_conn_id);
-	__type(value, struct mw_endpoint);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_unhinted SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_LRU_HASH, MW_DEFAULT_CAPACITY, struct mw_conn_id, struct mw_endpoint) mw_unhinted SEC(".maps");
 
 /*
  * One record per socket (struct mw_sock). BPF_F_CLONE: a socket accepted
@@ -149,30 +125,14 @@ static __always_inline struct mw_prog *prog_state(void *sk, bool create)
 	return &s->prog;
 }
 
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct mw_counters);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_stats SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_PERCPU_ARRAY, 1, __u32, struct mw_counters) mw_stats SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct mw_policy_cfg);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_policy SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct mw_policy_cfg) mw_policy SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 1024);
-	__type(key, __u32); /* destination port, host order */
-	__type(value, __u32); /* enum mw_port_action */
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_port_policy SEC(".maps");
+/* Destination port (host order) -> enum mw_port_action. */
+MW_PINNED_MAP(BPF_MAP_TYPE_HASH, 1024, __u32, __u32) mw_port_policy SEC(".maps");
 
+/* The include and exclude lists of destinations (CIDRs): two maps, one shape. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
@@ -180,16 +140,7 @@ struct {
 	__type(key, struct mw_cidr_key);
 	__type(value, __u32);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_cidr_incl SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(max_entries, 1024);
-	__type(key, struct mw_cidr_key);
-	__type(value, __u32);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_cidr_excl SEC(".maps");
+} mw_cidr_incl SEC(".maps"), mw_cidr_excl SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_CGROUP_ARRAY);
@@ -198,60 +149,30 @@ struct {
 	__type(value, __u32);
 } mw_cgroup SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 256);
-	__type(key, struct mw_unfit_key);
-	__type(value, struct mw_unfit_proc);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_unfit_procs SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_LRU_HASH, 256, struct mw_unfit_key, struct mw_unfit_proc) mw_unfit_procs SEC(".maps");
 
 /*
- * Ports of sockets that did what a redirect cannot honour, with the reason:
- * a later connection is not paired when its accepting side listens on a
- * port in mw_unfit_lport or its connecting side dials a port in
- * mw_unfit_rport (host order).
+ * Ports (host order) of sockets that did what a redirect cannot honour ->
+ * the reason (enum mw_reason): a later connection is not paired when its
+ * accepting side listens on a port in mw_unfit_lport or its connecting side
+ * dials a port in mw_unfit_rport.
  */
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 1024);
-	__type(key, __u32);
-	__type(value, __u32); /* enum mw_reason */
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_unfit_lport SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_LRU_HASH, 1024, __u32, __u32) mw_unfit_lport SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 1024);
-	__type(key, __u32);
-	__type(value, __u32); /* enum mw_reason */
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_unfit_rport SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_LRU_HASH, 1024, __u32, __u32) mw_unfit_rport SEC(".maps");
 
 /*
  * Programs that did what a redirect cannot honour: none of their later
  * connections is paired, on any port (pairing.h, prog_unfit). Pinned, so
  * what was learned outlives the agent.
  */
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 256);
-	__type(key, struct mw_prog);
-	__type(value, struct mw_unfit_prog);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_unfit_progs SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_LRU_HASH, 256, struct mw_prog, struct mw_unfit_prog) mw_unfit_progs SEC(".maps");
 
 /*
  * 0 -> whether mw_unfit_progs may hold anything: while not, the connection
  * path skips its lookup (an array lookup is inlined). Pinned with it.
  */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, __u32);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_learned_any SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, __u32) mw_learned_any SEC(".maps");
 
 static __always_inline struct mw_counters *counters(void)
 {

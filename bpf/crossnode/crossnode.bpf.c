@@ -45,6 +45,7 @@
 #include "bpf_helpers.h"
 #include "bpf_endian.h"
 #include "bpf_core_read.h"
+#include "pinned_map.h"
 #include "crossnode.h"
 #include "maps.h"
 #include "packet.h"

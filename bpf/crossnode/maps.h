@@ -10,37 +10,13 @@
 #ifndef MESHWARP_CROSSNODE_MAPS_H
 #define MESHWARP_CROSSNODE_MAPS_H
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 4096);
-	__type(key, struct mw_xn_dev_key);
-	__type(value, struct mw_xn_dev);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_xn_devs SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_HASH, 4096, struct mw_xn_dev_key, struct mw_xn_dev) mw_xn_devs SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 64);
-	__type(key, __u64);
-	__type(value, struct mw_xn_node);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_xn_nodes SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_HASH, 64, __u64, struct mw_xn_node) mw_xn_nodes SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 16384);
-	__type(key, struct mw_xn_mac_key);
-	__type(value, __u32);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_xn_macs SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_LRU_HASH, 16384, struct mw_xn_mac_key, __u32) mw_xn_macs SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct mw_xn_counters);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} mw_xn_stats SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_PERCPU_ARRAY, 1, __u32, struct mw_xn_counters) mw_xn_stats SEC(".maps");
 
 /* The device the agent manages at ifindex in the node, when it is of kind; else NULL. */
 static __always_inline struct mw_xn_dev *dev_of(__u64 cookie, __u32 ifindex, __u32 kind)

@@ -228,9 +228,7 @@ func TestPrivilegedSmallStreamSwitchKeepsEveryByte(t *testing.T) {
 		}
 		if a != nil {
 			d := stats(t, a).Sub(before)
-			t.Logf("small_stream connections %d, backpressure %d, sockets left %d, redirected %d messages, passthrough %v",
-				d.PassthroughConnections["small_stream"], d.PassthroughConnections["backpressure"], d.LeftSockets,
-				d.RedirectedMessages, d.PassthroughByReason)
+			logSwitches(t, d)
 			if got := d.PassthroughConnections["small_stream"]; got < 2*conns {
 				t.Fatalf("%d of %d connections went to TCP as small streams: the switch was not exercised", got, 2*conns)
 			}
@@ -273,18 +271,7 @@ func TestPrivilegedSmallStreamSocketsLeave(t *testing.T) {
 				return !inSockhash(t, a, client) && !inSockhash(t, a, server)
 			})
 		}
-		// FIONREAD, both ways.
-		for _, d := range []*streamDir{up, {w: server, r: client}} {
-			if err := d.send(10, func(int) int { return 100 }); err != nil {
-				t.Fatal(err)
-			}
-			if err := awaitInq(d.r, 1000); err != nil {
-				t.Fatal(err)
-			}
-			if err := d.recv(d.written, false, false); err != nil {
-				t.Fatal(err)
-			}
-		}
+		requireFIONREADCounts(t, up, &streamDir{w: server, r: client})
 		if a != nil {
 			s := stats(t, a)
 			if s.PassthroughConnections["small_stream"] != 1 || s.LeftSockets != 2 || s.RemovedSockets["small_stream"] != 2 {
@@ -346,6 +333,32 @@ func TestPrivilegedSmallStreamOnlySmallStreamsSwitch(t *testing.T) {
 			}
 		})
 	}
+}
+
+// requireFIONREADCounts sends ten 100-byte messages along each of dirs and
+// requires FIONREAD to count all 1000 bytes before they are read.
+func requireFIONREADCounts(t *testing.T, dirs ...*streamDir) {
+	t.Helper()
+	for _, d := range dirs {
+		if err := d.send(10, func(int) int { return 100 }); err != nil {
+			t.Fatal(err)
+		}
+		if err := awaitInq(d.r, 1000); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.recv(d.written, false, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// logSwitches logs what the agent did with a test's connections (d: the
+// stats since the test began), to read a failure by.
+func logSwitches(t *testing.T, d Stats) {
+	t.Helper()
+	t.Logf("small_stream connections %d, backpressure %d, sockets left %d, redirected %d messages, passthrough %v",
+		d.PassthroughConnections["small_stream"], d.PassthroughConnections["backpressure"], d.LeftSockets,
+		d.RedirectedMessages, d.PassthroughByReason)
 }
 
 func inSockhash(t *testing.T, a *Agent, c net.Conn) bool {
@@ -476,17 +489,7 @@ func TestPrivilegedDownloadSocketsLeave(t *testing.T) {
 				t.Fatalf("counters: left sockets %d (want 2), accelerated sockets %d (want 0)", d.LeftSockets, d.AcceleratedSockets)
 			}
 		}
-		for _, d := range []*streamDir{up, down} {
-			if err := d.send(10, func(int) int { return 100 }); err != nil {
-				t.Fatal(err)
-			}
-			if err := awaitInq(d.r, 1000); err != nil {
-				t.Fatal(err)
-			}
-			if err := d.recv(d.written, false, false); err != nil {
-				t.Fatal(err)
-			}
-		}
+		requireFIONREADCounts(t, up, down)
 	})
 }
 
@@ -526,10 +529,7 @@ func TestPrivilegedDownloadWhileUploadingKeepsEveryByte(t *testing.T) {
 			}
 		}
 		if a != nil {
-			d := stats(t, a).Sub(before)
-			t.Logf("backpressure connections %d, small_stream %d, sockets left %d, redirected %d messages, passthrough %v",
-				d.PassthroughConnections["backpressure"], d.PassthroughConnections["small_stream"], d.LeftSockets,
-				d.RedirectedMessages, d.PassthroughByReason)
+			logSwitches(t, stats(t, a).Sub(before))
 		}
 	})
 }

@@ -104,6 +104,25 @@ func runCLI(ctx context.Context, args ...string) (stdout, stderr string, err err
 	return out.String(), errOut.String(), err
 }
 
+// runBenchWorkloads runs `meshwarp bench` for a second of each of workloads
+// (comma-separated) in every mode, fails if it fails or leaves agent pins
+// behind, and returns the path of its JSON report.
+func runBenchWorkloads(t *testing.T, workloads string) (jsonPath string) {
+	t.Helper()
+	jsonPath = filepath.Join(t.TempDir(), "bench.json")
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	stdout, stderr, err := runCLI(ctx, "bench", "--workloads", workloads, "--duration", "1s", "--repeat", "1", "--json", jsonPath)
+	t.Logf("%s", stdout)
+	if err != nil {
+		t.Fatalf("bench: %v\nstderr:\n%s", err, stderr)
+	}
+	if bench.PinDirLeft(bench.DefaultPinDir) {
+		t.Errorf("agent pins left in %s", bench.DefaultPinDir)
+	}
+	return jsonPath
+}
+
 // readReport reads the bench JSON at path, requires it to follow
 // docs/bench-schema.json and reports the failed runs it lists.
 func readReport(t *testing.T, path string) *bench.Report {
@@ -218,22 +237,11 @@ func checkQuickResults(t *testing.T, rep *bench.Report) {
 // the worker helper).
 func workerProcesses(t *testing.T) []string {
 	t.Helper()
-	var out []string
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range entries {
-		env, err := os.ReadFile(filepath.Join("/proc", e.Name(), "environ"))
-		if err != nil {
-			continue
-		}
-		if bytes.Contains(env, []byte(lab.ReexecEnvFor(bench.WorkerHelper))) {
-			cmd, _ := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-			out = append(out, e.Name()+": "+strings.ReplaceAll(string(cmd), "\x00", " "))
-		}
-	}
-	return out
+	worker := []byte(lab.ReexecEnvFor(bench.WorkerHelper))
+	return processes(t, func(pid string, _ []byte) bool {
+		env, err := os.ReadFile(filepath.Join("/proc", pid, "environ"))
+		return err == nil && bytes.Contains(env, worker)
+	})
 }
 
 // TestPrivilegedBenchCostWorkloads runs the cost workloads (http-close,
@@ -244,17 +252,7 @@ func workerProcesses(t *testing.T) []string {
 func TestPrivilegedBenchCostWorkloads(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	requireBenchReady(t, "haproxy", "redis-server", "redis-benchmark", "iptables", "ip")
-	jsonPath := filepath.Join(t.TempDir(), "bench.json")
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
-	stdout, stderr, err := runCLI(ctx, "bench", "--workloads", "http-close,http-c1,tcp-c1,redis", "--duration", "1s", "--repeat", "1", "--json", jsonPath)
-	t.Logf("%s", stdout)
-	if err != nil {
-		t.Fatalf("bench: %v\nstderr:\n%s", err, stderr)
-	}
-	if bench.PinDirLeft(bench.DefaultPinDir) {
-		t.Errorf("agent pins left in %s", bench.DefaultPinDir)
-	}
+	jsonPath := runBenchWorkloads(t, "http-close,http-c1,tcp-c1,redis")
 	if procs := workerProcesses(t); len(procs) > 0 {
 		t.Errorf("worker processes left: %v", procs)
 	}
@@ -309,17 +307,7 @@ func TestPrivilegedBenchBulk(t *testing.T) {
 	// the bench's temp dir goes here, to see that it is removed
 	tmp := t.TempDir()
 	t.Setenv("TMPDIR", tmp)
-	jsonPath := filepath.Join(t.TempDir(), "bench.json")
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
-	stdout, stderr, err := runCLI(ctx, "bench", "--workloads", "bulk", "--duration", "1s", "--repeat", "1", "--json", jsonPath)
-	t.Logf("%s", stdout)
-	if err != nil {
-		t.Fatalf("bench: %v\nstderr:\n%s", err, stderr)
-	}
-	if bench.PinDirLeft(bench.DefaultPinDir) {
-		t.Errorf("agent pins left in %s", bench.DefaultPinDir)
-	}
+	jsonPath := runBenchWorkloads(t, "bulk")
 	if left, _ := os.ReadDir(tmp); len(left) > 0 {
 		t.Errorf("bench left in its temp dir: %v", left)
 	}
@@ -357,14 +345,21 @@ func TestPrivilegedBenchBulk(t *testing.T) {
 // processesWith lists the processes whose command line contains s.
 func processesWith(t *testing.T, s string) []string {
 	t.Helper()
+	return processes(t, func(_ string, cmdline []byte) bool { return bytes.Contains(cmdline, []byte(s)) })
+}
+
+// processes lists the processes that match accepts (given its pid and
+// command line), as "pid: command line".
+func processes(t *testing.T, match func(pid string, cmdline []byte) bool) []string {
+	t.Helper()
 	var out []string
 	entries, err := os.ReadDir("/proc")
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, e := range entries {
-		cmd, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err == nil && bytes.Contains(cmd, []byte(s)) {
+		cmd, _ := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline")) // a process gone by now: empty
+		if match(e.Name(), cmd) {
 			out = append(out, e.Name()+": "+strings.ReplaceAll(string(cmd), "\x00", " "))
 		}
 	}
