@@ -175,10 +175,13 @@ type Options struct {
 	// NoBPFStats skips the profiling pass (the only runs with the kernel's
 	// BPF run-time statistics on): no agent BPF CPU time in the report.
 	NoBPFStats bool
-	// NoObserveReads runs observing agents without the client read
-	// tracepoint, as `meshwarp run` does: no client_app point in the
-	// breakdown, and the observation's cost as run pays it.
-	NoObserveReads bool
+	// ObserveReads makes the measured runs' observing agents record client
+	// applications' reads too (the client read tracepoint, which runs for
+	// every read on the node while attached: `meshwarp run` leaves it to
+	// `meshwarp trace`). Without it the measured runs cost what run costs;
+	// the profiling pass records the reads either way, and the report's
+	// breakdown takes its client_app point from there.
+	ObserveReads bool
 
 	// Nodes is the lab's node count (0 means 1). With 2 the client and the
 	// server pods live on different nodes, and every agent mode runs one

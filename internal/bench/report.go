@@ -170,6 +170,7 @@ type Config struct {
 	QperfLoopback          bool     `json:"qperf_loopback,omitempty"`
 	QperfUnpaired          bool     `json:"qperf_unpaired,omitempty"`
 	Quick                  bool     `json:"quick"`
+	ObserveReads           bool     `json:"observe_reads,omitempty"`
 	Interleaving           string   `json:"interleaving"`
 	CPUAccounting          string   `json:"cpu_accounting"`
 	PinDir                 string   `json:"pin_dir"`

@@ -13,6 +13,7 @@ import (
 	"github.com/santhosh-tekuri/jsonschema/v6"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
+	"github.com/meshwarp/meshwarp/internal/observe"
 )
 
 // fixedHistogram is a small fortio-like histogram centred on center us.
@@ -256,5 +257,38 @@ func TestNormalizeRejects(t *testing.T) {
 	o := Options{Modes: []string{ModeSidecar, ModeSidecar}, Sizes: []int{16384, 1}}
 	if err := o.Normalize(); err != nil || len(o.Modes) != 1 || o.Sizes[0] != 1 || o.QperfDuration != 3*time.Second {
 		t.Errorf("Normalize = %+v, %v", o, err)
+	}
+}
+
+// The table's breakdown is the fullest one: the profiling run's, which
+// observes client reads, when the measured runs did not (a segment short).
+func TestBreakdownFromProfilingRun(t *testing.T) {
+	seg := func(names ...string) *observe.Breakdown {
+		b := &observe.Breakdown{ClientMeanSeconds: 1e-3}
+		for _, n := range names {
+			b.Segments = append(b.Segments, observe.Segment{Name: n, MeanSeconds: 1e-4})
+		}
+		return b
+	}
+	measured := Sample{Mode: ModeSidecarMeshwarp, Workload: WorkloadHTTP, Observed: &Observation{Breakdown: seg("app -> sidecar (kernel)")}}
+	profile := Sample{Mode: ModeSidecarMeshwarp, Workload: WorkloadHTTP, Profile: true,
+		Observed: &Observation{Breakdown: seg("socket -> client app (wakeup, read)", "app -> sidecar (kernel)")}}
+	for _, tc := range []struct {
+		name     string
+		runs     []Sample
+		want     string
+		fromProf bool
+	}{
+		{"measured runs without reads", []Sample{measured, profile}, "socket -> client app", true},
+		{"measured runs with reads", []Sample{profile, {Mode: ModeSidecarMeshwarp, Workload: WorkloadHTTP, Observed: &Observation{Breakdown: profile.Observed.Breakdown}}}, "socket -> client app", false},
+		{"no profiling pass", []Sample{measured}, "app -> sidecar", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := &Report{Config: Config{Modes: []string{ModeSidecarMeshwarp}}, Runs: tc.runs}
+			lines := r.breakdownLines()
+			if len(lines) != 1 || !strings.Contains(lines[0], tc.want) || strings.Contains(lines[0], "profiling run") != tc.fromProf {
+				t.Errorf("breakdown lines %q: want one with %q, from the profiling run: %v", lines, tc.want, tc.fromProf)
+			}
+		})
 	}
 }

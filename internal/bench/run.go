@@ -299,7 +299,7 @@ func (r *runner) runMode(ctx context.Context, rep int, mode string) (err error) 
 	var agent Agent
 	if ModeAgent(mode) {
 		settings := ModeAgentSettings(mode)
-		settings.ObserveReads = settings.Observe && !r.opts.NoObserveReads
+		settings.ObserveReads = settings.Observe && (r.opts.ObserveReads || r.profiling)
 		targets := r.env.AgentTargets()
 		pins := AgentPinDirs(r.opts.PinDir, len(targets))
 		var agents nodeAgents
@@ -576,6 +576,7 @@ func (r *runner) config() Config {
 		PayloadBytes:          o.PayloadBytes,
 		HistogramResolutionUS: DefaultResolutionSeconds * 1e6,
 		Quick:                 o.Quick,
+		ObserveReads:          o.ObserveReads,
 		Interleaving:          "per repeat, every mode in turn (A B C D A B C D ...); all workloads of a mode run while its agent is attached; the unix floor runs once per repeat",
 		CPUAccounting:         "usage_usec of the lab cgroup (apps, sidecars, load generator; BPF programs run in their context) over each run; unix: the worker process's own rusage",
 		PinDir:                o.PinDir,

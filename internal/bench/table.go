@@ -291,16 +291,11 @@ func padRow(row []string, n int) []string {
 }
 
 // breakdownLines say where an HTTP request's time went, per observing
-// mode (the last repeat's breakdown, as `meshwarp trace`).
+// mode, as `meshwarp trace` shows it (see fullestBreakdown).
 func (r *Report) breakdownLines() []string {
 	var out []string
 	for _, m := range r.Config.Modes {
-		var b *observe.Breakdown
-		for _, s := range r.Runs {
-			if s.Mode == m && s.Workload == WorkloadHTTP && !s.Profile && s.Observed != nil && s.Observed.Breakdown != nil {
-				b = s.Observed.Breakdown
-			}
-		}
+		b, profile := r.fullestBreakdown(m)
 		if b == nil {
 			continue
 		}
@@ -308,9 +303,29 @@ func (r *Report) breakdownLines() []string {
 		for _, seg := range b.Segments {
 			parts = append(parts, fmt.Sprintf("%s %.0fus", seg.Name, seg.MeanSeconds*1e6))
 		}
-		out = append(out, fmt.Sprintf("%s: where the time goes (mean %.0fus): %s", m, b.ClientMeanSeconds*1e6, strings.Join(parts, ", ")))
+		from := ""
+		if profile {
+			from = " (from the profiling run, which observes client reads)"
+		}
+		out = append(out, fmt.Sprintf("%s: where the time goes (mean %.0fus)%s: %s", m, b.ClientMeanSeconds*1e6, from, strings.Join(parts, ", ")))
 	}
 	return out
+}
+
+// fullestBreakdown is mode's HTTP breakdown with the most segments: the
+// last measured repeat's, or the profiling run's when only it observed
+// client reads (the client_app segment); profile says which.
+func (r *Report) fullestBreakdown(mode string) (b *observe.Breakdown, profile bool) {
+	for _, s := range r.Runs {
+		if s.Mode != mode || s.Workload != WorkloadHTTP || s.Observed == nil || s.Observed.Breakdown == nil {
+			continue
+		}
+		c := s.Observed.Breakdown
+		if b == nil || len(c.Segments) > len(b.Segments) || (len(c.Segments) == len(b.Segments) && !s.Profile) {
+			b, profile = c, s.Profile
+		}
+	}
+	return b, profile
 }
 
 // hopLines says which hops the agent accelerated, per mode with an agent.

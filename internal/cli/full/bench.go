@@ -113,7 +113,7 @@ direct pod-to-pod traffic cross the nodes; app-to-sidecar hops stay on a node.`,
 	fl.IntVar(&f.closeConns, "close-connections", bench.DefaultCloseConnections, "fortio connections of http-close (each request on a new connection)")
 	fl.BoolVar(&f.qperfLoopback, "qperf-loopback", false, "run qperf between two sockets of the server pod over 127.0.0.1 (same netns) instead of pod to pod")
 	fl.BoolVar(&f.bpfStats, "bpf-stats", true, "after the measured repeats, profile each agent mode and workload with the kernel's BPF run-time statistics on, for the agent's BPF CPU per program, request and message (--bpf-stats=false: no profiling pass)")
-	fl.BoolVar(&f.observeReads, "observe-reads", true, "observing agents also record the client application's reads (the breakdown's first segment; `meshwarp run` leaves this to `meshwarp trace`): --observe-reads=false measures the observation as run pays it")
+	fl.BoolVar(&f.observeReads, "observe-reads", false, "the measured runs' observing agents also record client applications' reads, as while `meshwarp trace` runs (a tracepoint on every read of the node, which `meshwarp run` does not attach: the ratios then include its cost). The breakdown's first segment (client_app) comes from the profiling pass either way")
 	fl.BoolVar(&f.qperfUnpaired, "qperf-unpaired", false, "run qperf against a server outside the lab cgroup: a connection meshwarp cannot pair "+
 		"(what the agent costs traffic it does not accelerate; compare direct with direct+meshwarp)")
 	fl.BoolVar(&f.quick, "quick", false, "short CI run: 1s runs, 1 repeat, sizes 64 and 16K, every mode and workload")
@@ -157,7 +157,7 @@ func runBench(cmd *cobra.Command, g *cli.Global, f *benchFlags) error {
 	opts.QperfLoopback = f.qperfLoopback
 	opts.QperfUnpaired = f.qperfUnpaired
 	opts.NoBPFStats = !f.bpfStats
-	opts.NoObserveReads = !f.observeReads
+	opts.ObserveReads = f.observeReads
 
 	// The agent and lab log at info on every mode switch: keep the terminal
 	// to the progress bar and the table unless --debug.
