@@ -48,7 +48,7 @@ removed; running it twice is harmless.`,
 			return err
 		},
 	}
-	addPinDirFlag(cmd, &pinDir)
+	AddPinDirFlag(cmd, &pinDir)
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }

@@ -74,7 +74,7 @@ bad usage.`,
 			return nil
 		},
 	}
-	addPinDirFlag(cmd, &pinDir)
+	AddPinDirFlag(cmd, &pinDir)
 	cmd.Flags().StringArrayVar(&programs, "program", nil, "a learned program's name, as status lists it (repeatable)")
 	cmd.Flags().UintSliceVar(&ports, "port", nil, "a learned server port (repeatable)")
 	cmd.Flags().BoolVar(&all, "all", false, "forget every learned program and port")

@@ -187,8 +187,8 @@ func DefaultPinDir() string {
 	return accel.DefaultPinDir
 }
 
-// addPinDirFlag gives a command that reads or changes what an agent pinned
-// (status, cleanup, forget) its --pin-dir.
-func addPinDirFlag(cmd *cobra.Command, pinDir *string) {
+// AddPinDirFlag gives a command that reads or changes what an agent pinned
+// (status, cleanup, forget, top, trace, tap) its --pin-dir.
+func AddPinDirFlag(cmd *cobra.Command, pinDir *string) {
 	cmd.Flags().StringVar(pinDir, "pin-dir", DefaultPinDir(), "bpffs directory the agent pinned to; $"+PinDirEnv+" sets the default")
 }

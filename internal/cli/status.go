@@ -109,7 +109,7 @@ attached). Counters are cumulative across agent restarts.
 			return nil
 		},
 	}
-	addPinDirFlag(cmd, &pinDir)
+	AddPinDirFlag(cmd, &pinDir)
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }

@@ -91,6 +91,6 @@ Ctrl-C). One tap at a time.`,
 	f.IntVar(&o.Count, "count", 0, "stop after this many messages (0: no limit)")
 	f.DurationVar(&o.Duration, "duration", 0, "stop after this long (0: until Ctrl-C)")
 	f.IntVar(&o.Snaplen, "snaplen", tap.DefaultSnaplen, "payload bytes kept per message")
-	f.StringVar(&o.PinDir, "pin-dir", cli.DefaultPinDir(), "bpffs directory the agent pinned to")
+	cli.AddPinDirFlag(cmd, &o.PinDir)
 	return cmd
 }

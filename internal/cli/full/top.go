@@ -113,7 +113,7 @@ p50_seconds, p99_seconds, bytes_per_second, accelerated_share, hop).`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&pinDir, "pin-dir", cli.DefaultPinDir(), "the agent's pin directory")
+	cli.AddPinDirFlag(cmd, &pinDir)
 	f.DurationVar(&interval, "interval", time.Second, "refresh interval (--once: how long to sample)")
 	f.BoolVar(&once, "once", false, "print one snapshot and exit")
 	f.BoolVar(&asJSON, "json", false, `with --once: print JSON {"flows": [...]}`)

@@ -96,7 +96,7 @@ dialled, so --port filters every other point and keeps those.`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&pinDir, "pin-dir", cli.DefaultPinDir(), "the agent's pin directory")
+	cli.AddPinDirFlag(cmd, &pinDir)
 	f.DurationVar(&duration, "duration", 5*time.Second, "how long to sample")
 	f.Uint16Var(&port, "port", 0, "only requests to this server port (default: all)")
 	f.BoolVar(&asJSON, "json", false, "print JSON: segments (name, kind kernel|proxy|app, mean_seconds, p50_seconds, p99_seconds, count), client_mean_seconds, points")
