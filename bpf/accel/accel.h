@@ -223,7 +223,6 @@ struct mw_obs_sock {
 	__u64 bytes;      /* payload bytes not yet added to mw_flows */
 	__u64 flushed_ns; /* when they were last added */
 	__u64 app_req_ns; /* a client application's request not yet answered by a read */
-	__u64 peer_seen;  /* paired: the peer's mw_obs_conn.sent when this socket last added it */
 	__u32 req_method; /* enum mw_method of the request in flight */
 	__u32 req_egress; /* the request left through this socket (1) or arrived (0) */
 	__u32 snd_next;   /* end of the highest segment sent / received: retransmitted */
@@ -241,6 +240,17 @@ struct mw_obs_conn {
 	__u64 req_ns;
 	__u64 req_netns;
 	__u64 sent[2];    /* bytes each side redirected, by role - 1 (each written by its own side only) */
+	/*
+	 * Of the other side's sent, what each side's flow has been given (by
+	 * role - 1; claimed by cmpxchg: the side itself at a flush or its close,
+	 * or the closing active side for a passive side that outlives it).
+	 */
+	__u64 seen[2];
+	/* The passive side's flow (its mw_obs_sock), for the active side to give it its last bytes. */
+	__u64 passive_netns;
+	struct mw_endpoint passive_server;
+	__u32 passive_point;
+	__u32 passive_observed; /* the passive side's end is observed (set before PAIRED) */
 	struct mw_endpoint req_server;
 	__u32 req_role;   /* enum mw_role of the requesting side */
 	__u32 req_point;  /* its enum mw_point */

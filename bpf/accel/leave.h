@@ -226,10 +226,16 @@ static __always_inline void on_close(struct bpf_sock *sk)
 		if (c && c->state == MW_CONN_PAIRED && !st->left)
 			was_paired = true;
 		if (c)
-			obs_conn_end(sk, c);
+			obs_conn_end(sk, c, MW_ROLE_ACTIVE);
 		/* Deleting the entry also cancels its timer. */
 		bpf_map_delete_elem(&mw_conns, &id);
 		st->owns_conn = 0;
+	} else if (st->role == MW_ROLE_PASSIVE && st->peer.role == MW_ROLE_ACTIVE) {
+		/* Still there if the active side has not closed (it gave us its last bytes then). */
+		struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
+
+		if (c)
+			obs_conn_end(sk, c, MW_ROLE_PASSIVE);
 	}
 	if (was_paired) {
 		cnt = counters();

@@ -298,13 +298,34 @@ static __always_inline void obs_app_request(struct mw_obs_sock *o, __u32 method,
 	o->req_method = method;
 }
 
-/* Add to o what the peer redirected since o last looked (single writer: the peer). */
-static __always_inline void obs_peer_bytes(struct mw_obs_sock *o, struct mw_conn *c, __u32 me)
+/*
+ * Claim for side me's flow what the other side redirected since me was
+ * last given it; 0 when another claimant got there first (cmpxchg: the
+ * active side's close may claim for the passive side while it flushes).
+ */
+static __always_inline __u64 obs_claim_peer_bytes(struct mw_conn *c, __u32 me)
 {
-	__u64 peer = c->obs.sent[1 - me];
+	__u64 peer = c->obs.sent[1 - me], seen = c->obs.seen[me];
 
-	o->bytes += peer - o->peer_seen;
-	o->peer_seen = peer;
+	if (peer <= seen || __sync_val_compare_and_swap(&c->obs.seen[me], seen, peer) != seen)
+		return 0;
+	return peer - seen;
+}
+
+/* sock_ops: the passive side joins a connection: where its flow is, for the active side's close. */
+static __always_inline void obs_passive_joins(struct bpf_sock *sk, struct mw_conn *c)
+{
+	struct mw_obs_sock *o;
+
+	if (!observe)
+		return;
+	o = obs_state(sk, false);
+	if (!o || !o->started)
+		return;
+	c->obs.passive_netns = o->netns;
+	c->obs.passive_server = o->server;
+	c->obs.passive_point = o->point;
+	c->obs.passive_observed = 1;
 }
 
 /*
@@ -371,21 +392,42 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 	c->obs.sent[me] += size;
 	o->bytes += size;
 	if (flush_due(o, now)) {
-		obs_peer_bytes(o, c, me);
+		o->bytes += obs_claim_peer_bytes(c, me);
 		obs_flush(o, now);
 	}
 }
 
-/* sock_ops close of a paired connection's connecting side (it owns mw_conns): the peer's last bytes. */
-static __always_inline void obs_conn_end(struct bpf_sock *sk, struct mw_conn *c)
+/*
+ * sock_ops: a paired connection's socket closes: its flow gets the last
+ * bytes its peer redirected. The active side deletes mw_conns at its close,
+ * so it also gives a passive side that outlives it the active side's last
+ * bytes (in the passive side's open flow: the passive end records its
+ * outcome when it closes).
+ */
+static __always_inline void obs_conn_end(struct bpf_sock *sk, struct mw_conn *c, __u32 role)
 {
+	struct mw_flow_key k = {};
 	struct mw_obs_sock *o;
+	__u32 me = role == MW_ROLE_ACTIVE ? 0 : 1;
+	__u64 b;
 
 	if (!observe)
 		return;
 	o = obs_state(sk, false);
 	if (o)
-		obs_peer_bytes(o, c, 0);
+		o->bytes += obs_claim_peer_bytes(c, me);
+	if (me != 0 || !c->obs.passive_observed)
+		return;
+	b = obs_claim_peer_bytes(c, 1);
+	if (!b)
+		return;
+	k.server = c->obs.passive_server;
+	k.netns = c->obs.passive_netns;
+	k.point = c->obs.passive_point;
+	k.proto = MW_PROTO_TCP;
+	k.outcome = MW_TCP_OPEN;
+	k.accelerated = 1;
+	obs_add(&k, 0, b, false);
 }
 
 #endif /* MESHWARP_OBSERVE_H */

@@ -464,6 +464,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	c->hop = hop;
 	c->passive_sk = (__u64)(unsigned long)sk;
 	c->same_netns = bpf_get_netns_cookie(skops) == c->active_netns;
+	obs_passive_joins(sk, c);
 	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PAIRED) != MW_CONN_PENDING) {
 		/*
 		 * The active side sent its first byte by TCP (or timed out) since

@@ -43,16 +43,20 @@ type accelMwConn struct {
 	SameNetns       uint32
 	LastSender      uint32
 	Obs             struct {
-		_         structs.HostLayout
-		ReqNs     uint64
-		ReqNetns  uint64
-		Sent      [2]uint64
-		ReqServer accelMwEndpoint
-		ReqRole   uint32
-		ReqPoint  uint32
-		ReqMethod uint32
-		Pad       uint32
-		_         [4]byte
+		_               structs.HostLayout
+		ReqNs           uint64
+		ReqNetns        uint64
+		Sent            [2]uint64
+		Seen            [2]uint64
+		PassiveNetns    uint64
+		PassiveServer   accelMwEndpoint
+		PassivePoint    uint32
+		PassiveObserved uint32
+		ReqServer       accelMwEndpoint
+		ReqRole         uint32
+		ReqPoint        uint32
+		ReqMethod       uint32
+		Pad             uint32
 	}
 }
 
@@ -238,7 +242,6 @@ type accelMwSock struct {
 		Bytes       uint64
 		FlushedNs   uint64
 		AppReqNs    uint64
-		PeerSeen    uint64
 		ReqMethod   uint32
 		ReqEgress   uint32
 		SndNext     uint32
