@@ -236,6 +236,8 @@ static __always_inline void on_close(struct bpf_sock *sk)
 
 		if (c)
 			obs_conn_end(sk, c, MW_ROLE_PASSIVE);
+		else if (was_paired)
+			obs_passive_end(sk);
 	}
 	if (was_paired) {
 		cnt = counters();

@@ -398,6 +398,22 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 }
 
 /*
+ * sock_ops: a passive side that was paired closes after its active side
+ * (which gave it its last bytes): its end is an accelerated one even if it
+ * never sent (sk_msg never saw it).
+ */
+static __always_inline void obs_passive_end(struct bpf_sock *sk)
+{
+	struct mw_obs_sock *o;
+
+	if (!observe)
+		return;
+	o = obs_state(sk, false);
+	if (o)
+		o->accelerated = 1;
+}
+
+/*
  * sock_ops: a paired connection's socket closes: its flow gets the last
  * bytes its peer redirected. The active side deletes mw_conns at its close,
  * so it also gives a passive side that outlives it the active side's last
@@ -414,8 +430,12 @@ static __always_inline void obs_conn_end(struct bpf_sock *sk, struct mw_conn *c,
 	if (!observe)
 		return;
 	o = obs_state(sk, false);
-	if (o)
-		o->bytes += obs_claim_peer_bytes(c, me);
+	if (o) {
+		b = obs_claim_peer_bytes(c, me);
+		o->bytes += b;
+		if (b)
+			o->accelerated = 1; /* a one-way receiver: sk_msg never saw it send */
+	}
 	if (me != 0 || !c->obs.passive_observed)
 		return;
 	b = obs_claim_peer_bytes(c, 1);

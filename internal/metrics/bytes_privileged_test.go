@@ -20,16 +20,25 @@ import (
 )
 
 // meshwarp_tcp_bytes_total counts every payload byte of a connection, both
-// directions, at both ends, whichever end closes first: short connections
-// (shorter than the one-second flush) on accelerated connections (sk_msg,
-// where each end's flow learns its peer's redirected bytes at a flush or a
-// close) and on TCP (cgroup_skb).
+// directions, at both ends, whichever end closes first, and each end is one
+// connection of its kind (accelerated or not): short connections (shorter
+// than the one-second flush) on accelerated connections (sk_msg, where each
+// end's flow learns its peer's redirected bytes at a flush or a close) and
+// on TCP (cgroup_skb), request/response and one-way.
 func TestPrivilegedTCPBytesExact(t *testing.T) {
 	testutil.RequirePrivileged(t)
+	cases := []struct {
+		name         string
+		response     int  // bytes the server answers; 0: a one-way upload
+		serverCloses bool // the server closes first (else it reads the client's FIN)
+	}{
+		{"server-closes-first", 1300, true},
+		{"client-closes-first", 1300, false},
+		{"one-way-upload", 0, false},
+	}
 	for _, accelerate := range []bool{true, false} {
-		for _, serverCloses := range []bool{true, false} {
-			name := fmt.Sprintf("accelerate=%v/server-closes-first=%v", accelerate, serverCloses)
-			t.Run(name, func(t *testing.T) {
+		for _, tc := range cases {
+			t.Run(fmt.Sprintf("accelerate=%v/%s", accelerate, tc.name), func(t *testing.T) {
 				cgroup := testutil.EnterCgroup(t)
 				a := agenttest.Start(t, accel.Config{CgroupPath: cgroup, Observe: true, ObserveOnly: !accelerate})
 				ln, err := net.Listen("tcp4", "127.0.0.1:0")
@@ -37,7 +46,7 @@ func TestPrivilegedTCPBytesExact(t *testing.T) {
 					t.Fatal(err)
 				}
 				defer ln.Close()
-				const conns, request, response = 5, 700, 1300
+				const conns, request = 5, 700
 				done := make(chan error, 1)
 				go func() {
 					for range conns {
@@ -51,16 +60,16 @@ func TestPrivilegedTCPBytesExact(t *testing.T) {
 							done <- err
 							return
 						}
-						if _, err := c.Write(make([]byte, response)); err != nil {
-							done <- err
-							return
+						if tc.response > 0 {
+							if _, err := c.Write(make([]byte, tc.response)); err != nil {
+								done <- err
+								return
+							}
 						}
-						if serverCloses {
-							c.Close()
-						} else {
+						if !tc.serverCloses {
 							io.Copy(io.Discard, c) // until the client's FIN
-							c.Close()
 						}
+						c.Close()
 					}
 					done <- nil
 				}()
@@ -72,10 +81,10 @@ func TestPrivilegedTCPBytesExact(t *testing.T) {
 					if _, err := c.Write(make([]byte, request)); err != nil {
 						t.Fatal(err)
 					}
-					if _, err := io.ReadFull(c, make([]byte, response)); err != nil {
+					if _, err := io.ReadFull(c, make([]byte, tc.response)); err != nil {
 						t.Fatal(err)
 					}
-					if serverCloses {
+					if tc.serverCloses {
 						io.Copy(io.Discard, c) // until the server's FIN
 					}
 					c.Close()
@@ -85,18 +94,23 @@ func TestPrivilegedTCPBytesExact(t *testing.T) {
 				}
 				srv := httptest.NewServer(Handler(a.Stats, a.Flows))
 				defer srv.Close()
-				port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
-				want := float64(conns * (request + response))
+				labels := func(point string) map[string]string {
+					return map[string]string{
+						"point": point, "server_port": strconv.Itoa(ln.Addr().(*net.TCPAddr).Port),
+						"meshwarp_accelerated": strconv.FormatBool(accelerate),
+					}
+				}
+				want := float64(conns * (request + tc.response))
 				deadline := time.Now().Add(10 * time.Second)
 				for {
 					fams := scrape(t, srv.URL)
 					var errs []error
 					for _, point := range []string{"client", "server"} {
-						got := counterSum(fams["meshwarp_tcp_bytes_total"], map[string]string{
-							"point": point, "server_port": port, "meshwarp_accelerated": strconv.FormatBool(accelerate),
-						})
-						if got != want {
+						if got := counterSum(fams["meshwarp_tcp_bytes_total"], labels(point)); got != want {
 							errs = append(errs, fmt.Errorf("point %s: %.0f bytes, want %.0f", point, got, want))
+						}
+						if got := histogramCount(fams["meshwarp_tcp_connection_duration_seconds"], labels(point)); got != conns {
+							errs = append(errs, fmt.Errorf("point %s: %d connection ends, want %d", point, got, conns))
 						}
 					}
 					if len(errs) == 0 {
@@ -114,10 +128,28 @@ func TestPrivilegedTCPBytesExact(t *testing.T) {
 
 // counterSum sums the counters whose labels include want.
 func counterSum(f *dto.MetricFamily, want map[string]string) float64 {
-	if f == nil {
-		return 0
-	}
 	var n float64
+	for _, m := range matching(f, want) {
+		n += m.GetCounter().GetValue()
+	}
+	return n
+}
+
+// histogramCount sums the observation counts of the histograms whose labels include want.
+func histogramCount(f *dto.MetricFamily, want map[string]string) int {
+	var n uint64
+	for _, m := range matching(f, want) {
+		n += m.GetHistogram().GetSampleCount()
+	}
+	return int(n)
+}
+
+// matching returns f's metrics whose labels include want (none of a missing family).
+func matching(f *dto.MetricFamily, want map[string]string) []*dto.Metric {
+	if f == nil {
+		return nil
+	}
+	var out []*dto.Metric
 	for _, m := range f.Metric {
 		ok := true
 		for _, l := range m.Label {
@@ -126,8 +158,8 @@ func counterSum(f *dto.MetricFamily, want map[string]string) float64 {
 			}
 		}
 		if ok {
-			n += m.GetCounter().GetValue()
+			out = append(out, m)
 		}
 	}
-	return n
+	return out
 }

@@ -406,6 +406,12 @@ func attachLinkBriefly(opts link.RawLinkOptions, what string) error {
 	return l.Close()
 }
 
+// learnedLater is what `run --learn-from-syscalls` does about a call the
+// redirect cannot honour (off by default: its tracepoints tax every process).
+const learnedLater = "With run --learn-from-syscalls, meshwarp watches for it in the attached cgroup and keeps later " +
+	"connections on that socket's ports, and every later connection of that program, on TCP; the connection " +
+	"that revealed it has already run accelerated"
+
 // spliceLimitation names what no kernel meshwarp runs on can do yet: splice(2)
 // from a socket reads only its TCP queue (tcp_splice_read), never the queue
 // that redirected bytes wait in. Upstream patches adding splice_read to
@@ -414,28 +420,22 @@ func attachLinkBriefly(opts link.RawLinkOptions, what string) error {
 func (p *prober) spliceLimitation() {
 	p.add(Check{Name: CheckSpliceLimit, Status: StatusWarn,
 		Detail: "limitation: a process that reads an accelerated socket with splice(2) does not see the " +
-			"redirected bytes (this kernel has no splice_read for sockmap ingress). meshwarp " +
-			"watches splice(2) in the attached cgroup and keeps later connections on that socket's ports, " +
-			"and every later connection of that program, on TCP, but the connection that revealed the reader " +
-			"has already lost them",
+			"redirected bytes (this kernel has no splice_read for sockmap ingress). " + learnedLater,
 		Fix: "exclude the ports of splice readers up front: --exclude-ports (HAProxy with option splice-*, " +
 			"Go io.Copy/ReadFrom between two TCP connections)"})
 }
 
 // receiveLimitation names the TCP guarantees this kernel's sockmap receive
 // and close paths (tcp_bpf_recvmsg, sock_map_close) do not give a redirected
-// connection. meshwarp learns them from syscalls and keeps later connections
-// on those ports, and of that program, on TCP (docs/ARCHITECTURE.md, "TCP guarantees").
+// connection (docs/ARCHITECTURE.md, "TCP guarantees").
 func (p *prober) receiveLimitation() {
 	p.add(Check{Name: CheckReceiveLimit, Status: StatusWarn,
-		Detail: "limitation: on an accelerated socket, recv(MSG_WAITALL) and SO_RCVLOWAT set after the " +
-			"connection returns what is queued, MSG_OOB carries no urgent mark, and close() with unread " +
-			"bytes sends FIN, not RST, and connect(AF_UNSPEC) keeps unread redirected bytes for the socket's next connection. meshwarp watches these calls in the attached cgroup and keeps later " +
-			"connections on that socket's ports, and every later connection of that program, on TCP; the " +
-			"connection that revealed the call already ran " +
-			"accelerated. FIONREAD after a writer fell back to TCP (backpressure) while the receiver also sends " +
-			"counts only the redirected bytes (when the whole connection went to TCP, small_stream or a one-way " +
-			"stream's backpressure, its sockets leave the SOCKHASH once those are read: native FIONREAD from then on)",
+		Detail: "limitation: on an accelerated socket, recv(MSG_WAITALL) returns what is queued, MSG_OOB carries no urgent mark, close() with unread " +
+			"bytes sends FIN, not RST, and connect(AF_UNSPEC) keeps unread redirected bytes for the socket's " +
+			"next connection. " + learnedLater + ". FIONREAD after a writer fell back to TCP (backpressure) " +
+			"while the receiver also sends counts only the redirected bytes (when the whole connection went to " +
+			"TCP, small_stream or a one-way stream's backpressure, its sockets leave the SOCKHASH once those are " +
+			"read: native FIONREAD from then on)",
 		Fix: "exclude the ports of programs that rely on these up front: --exclude-ports"})
 }
 
