@@ -14,6 +14,10 @@ import (
 	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
+// ReadObserverProgram is the program of the client read tracepoint
+// (Config.ObserveReads): not attached by `run`, only by `trace` while it samples.
+const ReadObserverProgram = accelProgMwObsRecv
+
 // attachObservation attaches (or adopts) the observation's programs when
 // cfg.Observe, and detaches an earlier agent's otherwise.
 func (a *Agent) attachObservation() error {

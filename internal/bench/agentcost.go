@@ -197,7 +197,25 @@ func (r *runner) agentDelta(a Agent, before agentSnap) (*AgentDelta, error) {
 		}
 		d.BPFPrograms[name] = BPFProgramDelta{Runs: x.Runs - b.Runs, RunSeconds: max(x.RunSeconds-b.RunSeconds, 0)}
 	}
+	if r.profiling && !r.opts.ObserveReads {
+		d.setProfilingOnly(accel.ReadObserverProgram)
+	}
 	return d, nil
+}
+
+// setProfilingOnly takes program name out of d's totals: a profiling run
+// attached it for the breakdown, the measured runs and `meshwarp run` do not.
+func (d *AgentDelta) setProfilingOnly(name string) {
+	p, ok := d.BPFPrograms[name]
+	if !ok {
+		return
+	}
+	delete(d.BPFPrograms, name)
+	d.BPFRunSeconds = max(d.BPFRunSeconds-p.RunSeconds, 0)
+	if d.BPFProgramsProfilingOnly == nil {
+		d.BPFProgramsProfilingOnly = map[string]BPFProgramDelta{}
+	}
+	d.BPFProgramsProfilingOnly[name] = p
 }
 
 // IdleWindow is how long the agent is watched with no traffic after it

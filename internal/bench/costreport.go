@@ -47,40 +47,8 @@ func summarizeCost(h *HopsSummary, ss, bpf []Sample) {
 		a := s.Agent
 		return a.BPFRunSeconds * 1e9 / float64(a.RedirectedMessages), a.RedirectedMessages > 0 && a.BPFRunSeconds > 0
 	})
-	names := map[string]bool{}
-	for _, s := range bpf {
-		if s.Agent != nil {
-			for n := range s.Agent.BPFPrograms {
-				names[n] = true
-			}
-		}
-	}
-	for n := range names {
-		p := BPFProgramSummary{
-			Runs: med(func(s Sample) (float64, bool) { return float64(s.Agent.BPFPrograms[n].Runs), true }),
-			NSPerRun: med(func(s Sample) (float64, bool) {
-				x := s.Agent.BPFPrograms[n]
-				return x.RunSeconds * 1e9 / float64(x.Runs), x.Runs > 0 && x.RunSeconds > 0
-			}),
-			RunsPerRequest: med(func(s Sample) (float64, bool) {
-				return float64(s.Agent.BPFPrograms[n].Runs) / float64(s.Requests), s.Requests > 0
-			}),
-			NSPerRequest: med(func(s Sample) (float64, bool) {
-				return s.Agent.BPFPrograms[n].RunSeconds * 1e9 / float64(s.Requests), s.Requests > 0
-			}),
-			NSPerRedirectedMessage: med(func(s Sample) (float64, bool) {
-				m := s.Agent.RedirectedMessages
-				return s.Agent.BPFPrograms[n].RunSeconds * 1e9 / float64(m), m > 0
-			}),
-		}
-		if p.Runs == 0 {
-			continue
-		}
-		if h.BPFPrograms == nil {
-			h.BPFPrograms = map[string]BPFProgramSummary{}
-		}
-		h.BPFPrograms[n] = p
-	}
+	h.BPFPrograms = summarizePrograms(bpf, func(a *AgentDelta) map[string]BPFProgramDelta { return a.BPFPrograms }, med)
+	h.BPFProgramsProfilingOnly = summarizePrograms(bpf, func(a *AgentDelta) map[string]BPFProgramDelta { return a.BPFProgramsProfilingOnly }, med)
 	c := &AgentCost{
 		ProcessCPUPercent: medOf(ss, func(s Sample) (float64, bool) {
 			return 100 * s.Agent.ProcessCPUSeconds / s.Agent.WallSeconds, s.Agent.WallSeconds > 0
@@ -94,6 +62,49 @@ func summarizeCost(h *HopsSummary, ss, bpf []Sample) {
 	if c.ProcessRSSBytes > 0 || c.BPFCPUPercent > 0 || c.ProcessCPUPercent > 0 {
 		h.Cost = c
 	}
+}
+
+// summarizePrograms is the per-program summary of the programs progs picks
+// from each sample's agent (nil when there are none), by the median med.
+func summarizePrograms(ss []Sample, progs func(*AgentDelta) map[string]BPFProgramDelta,
+	med func(func(Sample) (float64, bool)) float64) map[string]BPFProgramSummary {
+	names := map[string]bool{}
+	for _, s := range ss {
+		if s.Agent != nil {
+			for n := range progs(s.Agent) {
+				names[n] = true
+			}
+		}
+	}
+	var out map[string]BPFProgramSummary
+	for n := range names {
+		prog := func(s Sample) BPFProgramDelta { return progs(s.Agent)[n] }
+		p := BPFProgramSummary{
+			Runs: med(func(s Sample) (float64, bool) { return float64(prog(s).Runs), true }),
+			NSPerRun: med(func(s Sample) (float64, bool) {
+				x := prog(s)
+				return x.RunSeconds * 1e9 / float64(x.Runs), x.Runs > 0 && x.RunSeconds > 0
+			}),
+			RunsPerRequest: med(func(s Sample) (float64, bool) {
+				return float64(prog(s).Runs) / float64(s.Requests), s.Requests > 0
+			}),
+			NSPerRequest: med(func(s Sample) (float64, bool) {
+				return prog(s).RunSeconds * 1e9 / float64(s.Requests), s.Requests > 0
+			}),
+			NSPerRedirectedMessage: med(func(s Sample) (float64, bool) {
+				m := s.Agent.RedirectedMessages
+				return prog(s).RunSeconds * 1e9 / float64(m), m > 0
+			}),
+		}
+		if p.Runs == 0 {
+			continue
+		}
+		if out == nil {
+			out = map[string]BPFProgramSummary{}
+		}
+		out[n] = p
+	}
+	return out
 }
 
 // costTable is the agent's own cost per mode with an agent: at idle and
@@ -146,18 +157,33 @@ func (r *Report) costTable() (Table, bool) {
 // sockopsProgram is the agent's sock_ops program (runs per connection event).
 const sockopsProgram = "mw_sockops"
 
-// programLines lists the BPF programs of one result, most expensive first.
+// programLines lists the BPF programs of one result, most expensive first,
+// then those only a profiling run attached (in none of the totals).
 func programLines(mode string, h *HopsSummary) []string {
 	if h == nil || len(h.BPFPrograms) == 0 {
 		return nil
 	}
-	names := slices.SortedFunc(maps.Keys(h.BPFPrograms), func(a, b string) int {
-		pa, pb := h.BPFPrograms[a], h.BPFPrograms[b]
+	line := fmt.Sprintf("%s BPF per program: %s", mode, programList(h.BPFPrograms))
+	if h.BPFNSPerRedirectedMessage > 0 {
+		line += fmt.Sprintf(" (all programs: %.0f ns per redirected message)", h.BPFNSPerRedirectedMessage)
+	}
+	lines := []string{line}
+	if len(h.BPFProgramsProfilingOnly) > 0 {
+		lines = append(lines, fmt.Sprintf("%s profiling run only, in no total (`meshwarp run` does not attach it; --observe-reads puts it in the measured runs): %s",
+			mode, programList(h.BPFProgramsProfilingOnly)))
+	}
+	return lines
+}
+
+// programList formats programs, most expensive first.
+func programList(progs map[string]BPFProgramSummary) string {
+	names := slices.SortedFunc(maps.Keys(progs), func(a, b string) int {
+		pa, pb := progs[a], progs[b]
 		return cmp.Compare(pb.Runs*pb.NSPerRun, pa.Runs*pa.NSPerRun)
 	})
 	var parts []string
 	for _, n := range names {
-		p := h.BPFPrograms[n]
+		p := progs[n]
 		part := fmt.Sprintf("%s %.0f ns/run", n, p.NSPerRun)
 		if p.RunsPerRequest > 0 {
 			part += fmt.Sprintf(" x %.2f/req", p.RunsPerRequest)
@@ -167,9 +193,5 @@ func programLines(mode string, h *HopsSummary) []string {
 		}
 		parts = append(parts, part)
 	}
-	line := fmt.Sprintf("%s BPF per program: %s", mode, strings.Join(parts, "; "))
-	if h.BPFNSPerRedirectedMessage > 0 {
-		line += fmt.Sprintf(" (all programs: %.0f ns per redirected message)", h.BPFNSPerRedirectedMessage)
-	}
-	return []string{line}
+	return strings.Join(parts, "; ")
 }

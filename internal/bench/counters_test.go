@@ -67,7 +67,7 @@ func TestAgentCountersUseModelKeys(t *testing.T) {
 	}
 	// Keys that are not counters of the agent's data path: the bench's own
 	// measures of its cost, and the summary's derived figures.
-	own := []string{"bpf_run_seconds", "bpf_programs", "wall_seconds", "process_cpu_seconds", "process_rss_bytes", "bpf_memory_bytes",
+	own := []string{"bpf_run_seconds", "bpf_programs", "bpf_programs_profiling_only", "wall_seconds", "process_cpu_seconds", "process_rss_bytes", "bpf_memory_bytes",
 		"crossnode_redirected_packets", "crossnode_passed_packets_by_reason",
 		"accelerated", "bpf_us_per_request", "bpf_ns_per_redirected_message", "agent_cost"}
 	for _, c := range []struct {

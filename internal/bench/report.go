@@ -103,6 +103,10 @@ type AgentDelta struct {
 	BPFRunSeconds float64 `json:"bpf_run_seconds,omitempty"`
 	// BPFPrograms splits the BPF run time by program (kernel statistics).
 	BPFPrograms map[string]BPFProgramDelta `json:"bpf_programs,omitempty"`
+	// BPFProgramsProfilingOnly are programs a profiling run attached that
+	// the measured runs (and `meshwarp run`) do not: the client read
+	// tracepoint, for the breakdown. Not in BPFRunSeconds or BPFPrograms.
+	BPFProgramsProfilingOnly map[string]BPFProgramDelta `json:"bpf_programs_profiling_only,omitempty"`
 	// WallSeconds is the run's wall time as the agent counters saw it.
 	WallSeconds float64 `json:"wall_seconds,omitempty"`
 	// ProcessCPUSeconds is the CPU time of the process hosting the agent
@@ -237,6 +241,9 @@ type HopsSummary struct {
 	BPFNSPerRedirectedMessage float64 `json:"bpf_ns_per_redirected_message,omitempty"`
 	// BPFPrograms is each program's share (medians over repeats).
 	BPFPrograms map[string]BPFProgramSummary `json:"bpf_programs,omitempty"`
+	// BPFProgramsProfilingOnly: AgentDelta.BPFProgramsProfilingOnly,
+	// summarized the same way; in none of the totals above.
+	BPFProgramsProfilingOnly map[string]BPFProgramSummary `json:"bpf_programs_profiling_only,omitempty"`
 	// Cost is what the agent itself used over the run (medians over repeats).
 	Cost *AgentCost `json:"agent_cost,omitempty"`
 }

@@ -292,3 +292,35 @@ func TestBreakdownFromProfilingRun(t *testing.T) {
 		})
 	}
 }
+
+// The client read tracepoint a profiling run attaches (for the breakdown)
+// is in none of the agent's cost totals when the measured runs, like
+// `meshwarp run`, do not attach it; it is listed apart.
+func TestProfilingOnlyProgramOutOfTotals(t *testing.T) {
+	d := &AgentDelta{
+		BPFRunSeconds: 3e-3,
+		BPFPrograms: map[string]BPFProgramDelta{
+			"mw_skmsg":                {Runs: 1000, RunSeconds: 2e-3},
+			accel.ReadObserverProgram: {Runs: 2000, RunSeconds: 1e-3},
+		},
+		WallSeconds: 1,
+	}
+	d.RedirectedMessages = 1000
+	d.setProfilingOnly(accel.ReadObserverProgram)
+	if d.BPFRunSeconds != 2e-3 || len(d.BPFPrograms) != 1 || d.BPFProgramsProfilingOnly[accel.ReadObserverProgram].Runs != 2000 {
+		t.Fatalf("after setProfilingOnly: %+v", d)
+	}
+	h := &HopsSummary{}
+	summarizeCost(h, nil, []Sample{{Agent: d, Requests: 500}})
+	if h.BPFNSPerRedirectedMessage != 2000 {
+		t.Errorf("ns per redirected message %v, want 2000 (mw_skmsg only)", h.BPFNSPerRedirectedMessage)
+	}
+	if p := h.BPFProgramsProfilingOnly[accel.ReadObserverProgram]; p.NSPerRun != 500 || p.RunsPerRequest != 4 {
+		t.Errorf("profiling-only summary %+v, want 500 ns/run, 4 runs/request", p)
+	}
+	lines := programLines("sidecar+meshwarp", h)
+	if len(lines) != 2 || strings.Contains(lines[0], accel.ReadObserverProgram) || !strings.Contains(lines[0], "all programs: 2000 ns") ||
+		!strings.Contains(lines[1], accel.ReadObserverProgram) || !strings.Contains(lines[1], "in no total") {
+		t.Errorf("program lines %q", lines)
+	}
+}
