@@ -408,9 +408,9 @@ func attachLinkBriefly(opts link.RawLinkOptions, what string) error {
 
 // learnedLater is what `run --learn-from-syscalls` does about a call the
 // redirect cannot honour (off by default: its tracepoints tax every process).
-const learnedLater = "With run --learn-from-syscalls, meshwarp watches for it in the attached cgroup and keeps later " +
+const learnedLater = "With run --learn-from-syscalls, meshwarp watches for such calls in the attached cgroup and keeps later " +
 	"connections on that socket's ports, and every later connection of that program, on TCP; the connection " +
-	"that revealed it has already run accelerated"
+	"that revealed one has already run accelerated"
 
 // spliceLimitation names what no kernel meshwarp runs on can do yet: splice(2)
 // from a socket reads only its TCP queue (tcp_splice_read), never the queue
