@@ -87,9 +87,8 @@ func fdExchange(w, r int, n int) error {
 
 func waitFD(t *testing.T, fd int, events int16) {
 	t.Helper()
-	pfd := []unix.PollFd{{Fd: int32(fd), Events: events}}
-	if n, err := unix.Poll(pfd, int(hangGuard.Milliseconds())); n != 1 || err != nil {
-		t.Fatalf("poll(%#x): %d, %v", events, n, err)
+	if rev, err := testutil.Poll(fd, events, hangGuard); rev == 0 || err != nil {
+		t.Fatalf("poll(%#x): %#x after %v, %v", events, rev, hangGuard, err)
 	}
 }
 

@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
 // The call rows of the socket API compatibility suite (runner and moments:
@@ -335,9 +337,7 @@ var callRows = []compatRow{
 			w.(*net.TCPConn).CloseWrite()
 			var rev int16
 			onFD(t, r, func(fd int) {
-				pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN | unix.POLLRDHUP}}
-				unix.Poll(pfd, int(hangGuard.Milliseconds()))
-				rev = pfd[0].Revents
+				rev, _ = testutil.Poll(fd, unix.POLLIN|unix.POLLRDHUP, hangGuard)
 			})
 			if rev&unix.POLLRDHUP == 0 || rev&unix.POLLIN == 0 {
 				t.Fatalf("after the peer's FIN poll reported %#x, want POLLIN|POLLRDHUP", rev)

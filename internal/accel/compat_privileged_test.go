@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/meshwarp/meshwarp/internal/testutil"
 )
 
 // The socket API compatibility suite: each row is something applications
@@ -96,9 +98,8 @@ func waitReadable(t *testing.T, r net.Conn, timeout time.Duration) bool {
 	t.Helper()
 	ready := false
 	onFD(t, r, func(fd int) {
-		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-		n, err := unix.Poll(pfd, int(timeout.Milliseconds()))
-		ready = err == nil && n == 1 && pfd[0].Revents&unix.POLLIN != 0
+		rev, err := testutil.Poll(fd, unix.POLLIN, timeout)
+		ready = err == nil && rev&unix.POLLIN != 0
 	})
 	return ready
 }
@@ -223,10 +224,9 @@ var compatRows = []compatRow{
 			// The completion reaches the sender's error queue (POLLERR).
 			var got bool
 			onFD(t, w, func(fd int) {
-				pfd := []unix.PollFd{{Fd: int32(fd), Events: 0}}
 				deadline := time.Now().Add(hangGuard)
 				for time.Now().Before(deadline) {
-					if n, _ := unix.Poll(pfd, 100); n == 1 && pfd[0].Revents&unix.POLLERR != 0 {
+					if rev, _ := testutil.Poll(fd, 0, 100*time.Millisecond); rev&unix.POLLERR != 0 {
 						break
 					}
 				}

@@ -43,6 +43,9 @@ func blockingRecv(t *testing.T, c net.Conn, buf []byte, flags int) (int, error) 
 			unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
 			unix.SetNonblock(fd, false)
 			r.n, _, r.err = unix.Recvfrom(fd, buf, flags)
+			for errors.Is(r.err, unix.EINTR) { // a signal, not the socket: call again, as applications do
+				r.n, _, r.err = unix.Recvfrom(fd, buf, flags)
+			}
 			unix.SetNonblock(fd, true)
 		})
 		res <- r
@@ -143,7 +146,11 @@ func epollReader(t *testing.T, r net.Conn, edge bool) ([]byte, bool) {
 					// EOF read before an event told of it (the FIN came
 					// while this loop read): epoll must report it now.
 					if !rdhup {
-						if n, _ := unix.EpollWait(ep, evs, 0); n == 1 && evs[0].Events&unix.EPOLLRDHUP != 0 {
+						n, err := unix.EpollWait(ep, evs, 0)
+						for errors.Is(err, unix.EINTR) {
+							n, err = unix.EpollWait(ep, evs, 0)
+						}
+						if n == 1 && evs[0].Events&unix.EPOLLRDHUP != 0 {
 							rdhup = true
 						}
 					}
@@ -385,8 +392,7 @@ func forgetPrograms(t *testing.T, a *Agent) {
 func readOOB(t *testing.T, r net.Conn) (urgent, data string) {
 	t.Helper()
 	onFD(t, r, func(fd int) {
-		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLRDHUP}}
-		if n, _ := unix.Poll(pfd, int(hangGuard.Milliseconds())); n != 1 {
+		if rev, _ := testutil.Poll(fd, unix.POLLRDHUP, hangGuard); rev == 0 {
 			t.Fatalf("no FIN from the writer in %v", hangGuard)
 		}
 		b := make([]byte, 1)

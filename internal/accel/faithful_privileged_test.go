@@ -333,6 +333,9 @@ func acceptOne(ln net.Listener) <-chan net.Conn {
 func readFull(fd int, b []byte) error {
 	for off := 0; off < len(b); {
 		n, err := unix.Read(fd, b[off:])
+		if errors.Is(err, unix.EINTR) {
+			continue // a signal (SO_RCVTIMEO reads are not restarted): read again
+		}
 		if err != nil {
 			return err
 		}

@@ -65,6 +65,9 @@ func blockingCall(t *testing.T, c net.Conn, nr int, call func(fd int) (int, erro
 			unix.SetNonblock(fd, false)
 			tids <- unix.Gettid()
 			n, cerr = call(fd)
+			for errors.Is(cerr, unix.EINTR) { // a signal, not the socket: call again, as applications do
+				n, cerr = call(fd)
+			}
 			unix.SetNonblock(fd, true)
 		})
 		if cerr != nil {
