@@ -168,6 +168,20 @@ cat >"$work/guest.sh" <<EOF
 out=\$1
 mount -t bpf bpf /sys/fs/bpf 2>/dev/null
 mkdir -p \$out/tmp
+# The first TCP connection of each family initialises the hash secrets
+# (net_get_random_once) and then live-patches that code (a static key, from
+# a kworker). Under software emulation a CPU that runs the code while it is
+# patched can die on the patch's int3 (seen on 6.12: "Oops: int3" in
+# inet6_ehashfn, in a test's parallel connects). One connection per family
+# here, while nothing else runs, and a moment for the patch to land.
+python3 -c '
+import socket
+for fam, addr in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+    l = socket.socket(fam); l.bind((addr, 0)); l.listen()
+    c = socket.create_connection(l.getsockname()[:2]); a, _ = l.accept()
+    for s in (c, a, l): s.close()
+' >\$out/warmup.log 2>&1
+sleep 2 # the static key is disabled from a workqueue; nothing to poll for
 export PATH=/usr/local/go/bin:\$PATH HOME=\$out/tmp TMPDIR=\$out/tmp
 export MESHWARP_REQUIRE_PRIVILEGED=1 MESHWARP_TEST_BIN=$work/meshwarp MESHWARP_VM_KERNEL=1
 uname -r >\$out/kernel
