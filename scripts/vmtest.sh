@@ -180,7 +180,7 @@ for fam, addr in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
     l = socket.socket(fam); l.bind((addr, 0)); l.listen()
     c = socket.create_connection(l.getsockname()[:2]); a, _ = l.accept()
     for s in (c, a, l): s.close()
-' >\$out/warmup.log 2>&1
+' >\$out/warmup.log 2>&1 || { echo "vmtest: warm-up connections failed:"; cat \$out/warmup.log; } >>\$out/accel.log
 sleep 2 # the static key is disabled from a workqueue; nothing to poll for
 export PATH=/usr/local/go/bin:\$PATH HOME=\$out/tmp TMPDIR=\$out/tmp
 export MESHWARP_REQUIRE_PRIVILEGED=1 MESHWARP_TEST_BIN=$work/meshwarp MESHWARP_VM_KERNEL=1
