@@ -18,6 +18,10 @@ import (
 // (Config.ObserveReads): not attached by `run`, only by `trace` while it samples.
 const ReadObserverProgram = accelProgMwObsRecv
 
+// SockOpsProgram is the sock_ops program: it runs per connection event
+// (connect, established, state changes, packets of sockets in the SOCKHASH).
+const SockOpsProgram = accelProgMwSockops
+
 // attachObservation attaches (or adopts) the observation's programs when
 // cfg.Observe, and detaches an earlier agent's otherwise.
 func (a *Agent) attachObservation() error {

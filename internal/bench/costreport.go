@@ -8,6 +8,8 @@ import (
 	"maps"
 	"slices"
 	"strings"
+
+	"github.com/meshwarp/meshwarp/internal/accel"
 )
 
 // AgentCost is the agent's own CPU and memory over a run.
@@ -135,7 +137,7 @@ func (r *Report) costTable() (Table, bool) {
 			if h.BPFUSPerRequest > 0 {
 				perReq = fnum(h.BPFUSPerRequest, 2)
 			}
-			if p, ok := h.BPFPrograms[sockopsProgram]; ok && p.RunsPerRequest > 0 {
+			if p, ok := h.BPFPrograms[accel.SockOpsProgram]; ok && p.RunsPerRequest > 0 {
 				sockops = fnum(p.RunsPerRequest, 2)
 			}
 			perMsg := "-"
@@ -153,9 +155,6 @@ func (r *Report) costTable() (Table, bool) {
 	}
 	return t, len(t.Rows) > 0
 }
-
-// sockopsProgram is the agent's sock_ops program (runs per connection event).
-const sockopsProgram = "mw_sockops"
 
 // programLines lists the BPF programs of one result, most expensive first,
 // then those only a profiling run attached (in none of the totals).
