@@ -89,6 +89,41 @@ static __always_inline void quiet_switch(struct mw_sk_state *st, struct mw_conn 
 }
 
 /*
+ * A socket of a connection that went to TCP leaves at its next packet
+ * (on_leave_check). One that gets none after its conditions came true (a
+ * reader whose TCP bytes were all acknowledged while it still had
+ * redirected bytes to read; a requester that stopped sending) would stay in
+ * mw_sock_hash, where FIONREAD counts only the empty redirect queue. So the
+ * first packet at which a socket cannot leave yet arms the connection's
+ * timer (every switch sends one: the message that goes by TCP), which
+ * re-runs the check every MW_LEAVE_POLL_NS until both sockets are out, with
+ * the rule of the receive path (no psock call running: one reference). The
+ * sockets' own state (st->left, the counters) is settled at their next
+ * callback or close. The timer is created only then: a connection that
+ * never switches pays for none. Only sock_ops and its timer callbacks may
+ * delete from a SOCKHASH, so sk_msg cannot arm it.
+ */
+#define MW_LEAVE_POLL_NS (20 * 1000 * 1000ULL)
+#define CLOCK_MONOTONIC 1
+
+static __always_inline void leave_poll(struct mw_conn_id *id, struct mw_conn *c);
+
+static int on_leave_timer(void *map, struct mw_conn_id *id, struct mw_conn *c)
+{
+	leave_poll(id, c);
+	return 0;
+}
+
+static __always_inline void arm_leave_poll(struct mw_conn *c)
+{
+	if (c->leave_poll_armed || __sync_val_compare_and_swap(&c->leave_poll_armed, 0, 1))
+		return;
+	if (bpf_timer_init(&c->leave_timer, &mw_conns, CLOCK_MONOTONIC) == 0 &&
+	    bpf_timer_set_callback(&c->leave_timer, on_leave_timer) == 0)
+		bpf_timer_start(&c->leave_timer, MW_LEAVE_POLL_NS, 0);
+}
+
+/*
  * HDR_OPT_LEN_CB (the socket sends a TCP packet) and PARSE_HDR_OPT_CB (it
  * received one; the callback runs before the segment's bytes are queued). A
  * socket that will not (or no longer) redirect leaves mw_sock_hash, which
@@ -135,11 +170,12 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 	if (!tp)
 		return;
 	quiet_switch(st, c, me, (struct sock *)tp);
-	if (!peer_quiet(c, 1 - me) || redirect_backlog((struct sock *)tp))
-		return;
 	/* Sending, our own sendmsg holds a reference; receiving in softirq, none does. */
-	if (!own_dir_drained(c, me, (struct sock *)tp, receiving ? 1 : 2))
+	if (!peer_quiet(c, 1 - me) || redirect_backlog((struct sock *)tp) ||
+	    !own_dir_drained(c, me, (struct sock *)tp, receiving ? 1 : 2)) {
+		arm_leave_poll(c);
 		return;
+	}
 	c->dir[me] = MW_DIR_DRAINED;
 	reason = c->to_tcp_reason;
 	if (bpf_map_delete_elem(&mw_sock_hash, &key) == 0) {
@@ -155,19 +191,6 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 done:
 	stop_leave_checks(skops, cb_flags);
 }
-
-/*
- * A socket of a connection that went to TCP leaves at its next packet
- * (on_leave_check). One that gets none after its conditions came true (a
- * reader whose TCP bytes were all acknowledged while it still had
- * redirected bytes to read; a requester that stopped sending) would stay in
- * mw_sock_hash, where FIONREAD counts only the empty redirect queue. The
- * connection's timer re-runs the check every MW_LEAVE_POLL_NS from the
- * switch until both sockets are out, with the rule of the receive path
- * (no psock call running: one reference). The sockets' own state
- * (st->left, the counters) is settled at their next callback or close.
- */
-#define MW_LEAVE_POLL_NS (20 * 1000 * 1000ULL)
 
 /* Whether the socket of role index me is out of mw_sock_hash (now or before). */
 static __always_inline bool leave_by_timer(const struct mw_conn_id *id, struct mw_conn *c, __u32 me)
@@ -185,7 +208,7 @@ static __always_inline bool leave_by_timer(const struct mw_conn_id *id, struct m
 	return true;
 }
 
-/* The timer's second use (see on_unpaired_timeout): re-run the leave check. */
+/* The timer: re-run the leave check of both sockets until both are out. */
 static __always_inline void leave_poll(struct mw_conn_id *id, struct mw_conn *c)
 {
 	bool out;
@@ -195,17 +218,7 @@ static __always_inline void leave_poll(struct mw_conn_id *id, struct mw_conn *c)
 	out = leave_by_timer(id, c, 0);
 	out = leave_by_timer(id, c, 1) && out;
 	if (!out)
-		bpf_timer_start(&c->unpaired_timer, MW_LEAVE_POLL_NS, 0);
-}
-
-/*
- * Arm the leave poll. The callback was set by sock_ops when the timer was
- * armed for the unpaired timeout (only sock_ops callbacks may delete from a
- * SOCKHASH); a paired connection's timer is idle or about to fire harmlessly.
- */
-static __always_inline void poll_leave(struct mw_conn *c)
-{
-	bpf_timer_start(&c->unpaired_timer, MW_LEAVE_POLL_NS, 0);
+		bpf_timer_start(&c->leave_timer, MW_LEAVE_POLL_NS, 0);
 }
 
 static __always_inline void on_close(struct bpf_sock *sk)

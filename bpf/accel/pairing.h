@@ -15,15 +15,17 @@
  *      The notes only decide who joins; the pairing is proven in step 2.
  *      (hints.h)
  *   1. active side ESTABLISHED: if a listener of the cgroup received its
- *      SYN, create mw_conns[id] = PENDING, join
- *      mw_sock_hash, arm the unpaired timer.
+ *      SYN, create mw_conns[id] = PENDING (with the time), join
+ *      mw_sock_hash.
  *   2. passive side ESTABLISHED: if mw_conns[id] is PENDING (both initial
- *      sequence numbers match) and the active side's address is our remote
- *      address, join mw_sock_hash, then PENDING -> PAIRED.
+ *      sequence numbers match), no older than unpaired_timeout_ns, and the
+ *      active side's address is our remote address, join mw_sock_hash, then
+ *      PENDING -> PAIRED.
  *   3. active side's first sendmsg: if still PENDING, PENDING -> PASSTHROUGH:
  *      that byte goes by TCP, and so does every later byte in both directions.
  *      (redirect.h)
- *   4. the timer: PENDING -> PASSTHROUGH (unpaired_timeout).
+ *   4. a segment reaches the active side while PENDING: its peer sends by
+ *      TCP, so it is none of ours: PENDING -> PASSTHROUGH (leave.h).
  * The passive side cannot send before step 2 (it is not accepted yet), and the
  * active side redirects only after it saw PAIRED, so no stream is ever split
  * between the two paths.
@@ -38,12 +40,16 @@
  * a socket is a redirect target only of a PAIRED peer, so a removed socket
  * has never had, and never gets, a redirected byte to lose. The passive side
  * removes the active socket when it finds the decision made (step 2), and
- * itself when it loses the race to step 3; the timer removes it otherwise.
+ * itself when it loses the race to step 3; else the active socket removes
+ * itself at its next packet, sent or received (leave.h), before a byte of it
+ * is queued. An active socket whose peer never comes and that sends and
+ * receives nothing stays in the hash until it closes: with nothing queued,
+ * tcp_bpf answers every call as TCP does, and it costs no timer per
+ * connection.
  */
 #ifndef MESHWARP_PAIRING_H
 #define MESHWARP_PAIRING_H
 
-#define CLOCK_MONOTONIC 1
 #define EBUSY 16
 
 /*
@@ -219,22 +225,6 @@ static __always_inline void count_join_error(__u32 reason)
 		cnt->sockhash_full++;
 }
 
-static __always_inline void leave_poll(struct mw_conn_id *id, struct mw_conn *c); /* leave.h */
-
-/*
- * mw_conns timer: a connection still unpaired gives up and leaves the hash;
- * one that went to TCP takes its sockets out once they may leave (leave.h).
- */
-static int on_unpaired_timeout(void *map, struct mw_conn_id *id, struct mw_conn *c)
-{
-	if (c->state == MW_CONN_PENDING)
-		conn_passthrough(c, MW_REASON_UNPAIRED_TIMEOUT);
-	if (c->state == MW_CONN_PASSTHROUGH)
-		remove_active(id, c);
-	leave_poll(id, c);
-	return 0;
-}
-
 static __always_inline void on_active_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
 						  __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags)
 {
@@ -292,6 +282,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	conn.state = MW_CONN_PENDING;
 	conn.active_is_sidecar = socket_uid(sk) == sidecar_uid;
 	conn.active_netns = bpf_get_netns_cookie(skops);
+	conn.pending_ns = bpf_ktime_get_ns();
 
 	err = bpf_map_update_elem(&mw_conns, &id, &conn, BPF_NOEXIST);
 	if (err) {
@@ -334,10 +325,6 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	}
 	st->peer = key;
 	st->peer.role = MW_ROLE_PASSIVE;
-	/* A timer that cannot be armed leaves the socket to steps 2 and 3. */
-	if (bpf_timer_init(&c->unpaired_timer, &mw_conns, CLOCK_MONOTONIC) == 0 &&
-	    bpf_timer_set_callback(&c->unpaired_timer, on_unpaired_timeout) == 0)
-		bpf_timer_start(&c->unpaired_timer, unpaired_timeout_ns, 0);
 }
 
 static __always_inline __u32 classify_hop(__u32 passive_local_port, const struct mw_conn *c)
@@ -405,9 +392,14 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		return;
 	}
 	if (c->state != MW_CONN_PENDING) {
-		/* Decided before we got here (first byte sent, timeout): release the active side. */
+		/* Decided before we got here (first byte sent or received): release the active side. */
 		if (c->state == MW_CONN_PASSTHROUGH)
 			remove_active(&id, c);
+		return;
+	}
+	/* Born late (the handshake's last ACK lost, a listener's full queue). */
+	if (bpf_ktime_get_ns() - c->pending_ns > unpaired_timeout_ns) {
+		passive_gives_up(&id, c, MW_REASON_UNPAIRED_TIMEOUT);
 		return;
 	}
 

@@ -20,11 +20,12 @@ type accelMwCidrKey struct {
 }
 
 type accelMwConn struct {
-	_             structs.HostLayout
-	UnpairedTimer struct {
+	_          structs.HostLayout
+	LeaveTimer struct {
 		_      structs.HostLayout
 		Opaque [2]uint64
 	}
+	PendingNs       uint64
 	ActiveCookie    uint64
 	ActiveLocal     accelMwEndpoint
 	ActiveRemote    accelMwEndpoint
@@ -32,7 +33,7 @@ type accelMwConn struct {
 	Reason          accelMwReason
 	Hop             accelMwHop
 	ActiveIsSidecar uint32
-	Pad             uint32
+	LeavePollArmed  uint32
 	_               [4]byte
 	ActiveSk        uint64
 	PassiveSk       uint64

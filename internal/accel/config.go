@@ -31,10 +31,10 @@ const (
 	DefaultInboundPort  = 15006 // sidecar listener for captured inbound TCP
 )
 
-// DefaultUnpairedTimeout bounds how long a connecting socket whose peer is
-// on this node waits in the SOCKHASH for that peer to be established (a few
-// microseconds normally; milliseconds only when the handshake's last ACK is
-// lost) before it leaves for plain TCP.
+// DefaultUnpairedTimeout bounds how long after a connecting socket whose
+// peer is on this node that peer may be established and still be paired (a
+// few microseconds normally; a second or more when the handshake's last ACK
+// is lost). A later peer leaves the connection to plain TCP.
 const DefaultUnpairedTimeout = 10 * time.Millisecond
 
 // DefaultRedirectBudget bounds the redirected bytes a receiver may leave

@@ -296,9 +296,9 @@ func TestPrivilegedNoHarmPairedFIONREAD(t *testing.T) {
 
 // Connections decided passthrough: excluded by policy (they never join), or
 // hinted and then left to TCP because their accepted side came late (the
-// handshake's last ACK is dropped): the timer or the accepted side takes the
-// client out of the SOCKHASH before the server can send, so FIONREAD is
-// right on both ends.
+// handshake's last ACK is dropped): the late accepted side or the client's
+// own first packet takes the client out of the SOCKHASH before the server
+// can send, so FIONREAD is right on both ends.
 func TestPrivilegedNoHarmPassthroughFIONREAD(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	t.Run("policy", func(t *testing.T) {
@@ -325,14 +325,13 @@ func TestPrivilegedNoHarmPassthroughFIONREAD(t *testing.T) {
 				return
 			}
 			t.Logf("removed %v, passthrough conns %v", d.RemovedSockets, d.PassthroughConnections)
-			// Server first: the client waits, its timer fires. Client first:
-			// its first byte decides no_peer and the accepted side removes
-			// it, unless the client's write comes later than the unpaired
-			// timeout (10 ms, a busy machine's scheduling delay): then its
-			// timer decided first. Either way each client leaves the
-			// SOCKHASH, for one of these two reasons.
-			timer, first := d.RemovedSockets["unpaired_timeout"], d.RemovedSockets["no_peer"]
-			if timer < 2 || timer+first < uint64(len(exchangeCases)) {
+			// Server first: the client waits; its accepted side, born from
+			// the retransmitted handshake a second later, finds it older
+			// than the unpaired timeout. Client first: its first byte
+			// decides no_peer, and its data packet takes it out. Either way
+			// each client leaves the SOCKHASH, for one of these two reasons.
+			late, first := d.RemovedSockets["unpaired_timeout"], d.RemovedSockets["no_peer"]
+			if late < 2 || late+first < uint64(len(exchangeCases)) {
 				t.Fatalf("want the %d clients removed by unpaired_timeout or no_peer, the 2 server-first ones by unpaired_timeout; got %v",
 					len(exchangeCases), nonZero(d.RemovedSockets))
 			}
@@ -345,8 +344,8 @@ func TestPrivilegedNoHarmPassthroughFIONREAD(t *testing.T) {
 
 // Pairing races removal: with an unpaired timeout far below the time the
 // accepted side takes to be established on a busy machine, connections end
-// up on both sides of the race (paired, or left to TCP by the timer while
-// the accepted side is on its way). None may lose, duplicate or reorder a
+// up on both sides of the race (paired, or left to TCP because the accepted
+// side came later than the timeout). None may lose, duplicate or reorder a
 // byte, and once all are closed the SOCKHASH is empty and the gauge is 0.
 func TestPrivilegedPairingRacesRemoval(t *testing.T) {
 	testutil.RequirePrivileged(t)
@@ -361,7 +360,7 @@ func TestPrivilegedPairingRacesRemoval(t *testing.T) {
 			s := stats(t, a)
 			t.Logf("paired sockets %d, removed %v, passthrough conns %v", s.PairedSockets, s.RemovedSockets, s.PassthroughConnections)
 			if s.PairedSockets == 0 && s.RemovedSockets["unpaired_timeout"] == 0 {
-				t.Fatal("neither pairing nor the timer acted: the race was not run")
+				t.Fatal("neither pairing nor the unpaired timeout acted: the race was not run")
 			}
 			deadline := time.Now().Add(10 * time.Second)
 			for {
