@@ -259,13 +259,12 @@ struct mw_obs_conn {
 };
 
 /*
- * mw_conns value, created by the active side at ESTABLISHED (pending_ns): a
+ * mw_conns value, created by the active side at ESTABLISHED (pending_us): a
  * passive side established more than unpaired_timeout_ns later is not paired.
  * Its timer exists only once a switch to TCP waits (leave.h).
  */
 struct mw_conn {
 	struct bpf_timer leave_timer;
-	__u64 pending_ns;
 	__u64 active_cookie;
 	struct mw_endpoint active_local; /* what the passive side must see as its remote */
 	struct mw_endpoint active_remote; /* the destination the application dialled (the tap's tuple) */
@@ -274,7 +273,7 @@ struct mw_conn {
 	enum mw_reason reason;           /* when PASSTHROUGH */
 	enum mw_hop hop;                 /* written before state becomes PAIRED */
 	__u32 active_is_sidecar;         /* the connecting socket belongs to the sidecar uid */
-	__u32 leave_poll_armed;          /* leave_timer runs (set once, by cmpxchg) */
+	__u32 pending_us;                /* when it became PENDING: mw_now_us(), wraps in 73 min */
 	/*
 	 * Kernel addresses of the two sockets (struct sock), for reading the
 	 * peer's redirect queue depth with bpf_probe_read_kernel. Read only while

@@ -114,10 +114,9 @@ static int on_leave_timer(void *map, struct mw_conn_id *id, struct mw_conn *c)
 	return 0;
 }
 
+/* Only the first caller creates and starts it (the others get EBUSY): a running poll re-arms itself. */
 static __always_inline void arm_leave_poll(struct mw_conn *c)
 {
-	if (c->leave_poll_armed || __sync_val_compare_and_swap(&c->leave_poll_armed, 0, 1))
-		return;
 	if (bpf_timer_init(&c->leave_timer, &mw_conns, CLOCK_MONOTONIC) == 0 &&
 	    bpf_timer_set_callback(&c->leave_timer, on_leave_timer) == 0)
 		bpf_timer_start(&c->leave_timer, MW_LEAVE_POLL_NS, 0);

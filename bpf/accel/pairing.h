@@ -53,6 +53,17 @@
 #define EBUSY 16
 
 /*
+ * The monotonic clock in 1.024 us units, in the 4 bytes mw_conn has for it:
+ * it wraps after 73 minutes, so an accepted side born that late may compute
+ * a short wait and be paired, which is safe (neither side sent yet); the
+ * timeout is a bound on waiting, not on correctness.
+ */
+static __always_inline __u32 mw_now_us(void)
+{
+	return bpf_ktime_get_ns() >> 10;
+}
+
+/*
  * Take a socket of a PASSTHROUGH connection out of mw_sock_hash (see the
  * header: it never was and never will be a redirect target). Only sock_ops
  * (and its timer callbacks) may delete from a SOCKHASH.
@@ -282,7 +293,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	conn.state = MW_CONN_PENDING;
 	conn.active_is_sidecar = socket_uid(sk) == sidecar_uid;
 	conn.active_netns = bpf_get_netns_cookie(skops);
-	conn.pending_ns = bpf_ktime_get_ns();
+	conn.pending_us = mw_now_us();
 
 	err = bpf_map_update_elem(&mw_conns, &id, &conn, BPF_NOEXIST);
 	if (err) {
@@ -398,7 +409,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		return;
 	}
 	/* Born late (the handshake's last ACK lost, a listener's full queue). */
-	if (bpf_ktime_get_ns() - c->pending_ns > unpaired_timeout_ns) {
+	if (mw_now_us() - c->pending_us > (__u32)(unpaired_timeout_ns >> 10)) {
 		passive_gives_up(&id, c, MW_REASON_UNPAIRED_TIMEOUT);
 		return;
 	}

@@ -25,7 +25,6 @@ type accelMwConn struct {
 		_      structs.HostLayout
 		Opaque [2]uint64
 	}
-	PendingNs       uint64
 	ActiveCookie    uint64
 	ActiveLocal     accelMwEndpoint
 	ActiveRemote    accelMwEndpoint
@@ -33,7 +32,7 @@ type accelMwConn struct {
 	Reason          accelMwReason
 	Hop             accelMwHop
 	ActiveIsSidecar uint32
-	LeavePollArmed  uint32
+	PendingUs       uint32
 	_               [4]byte
 	ActiveSk        uint64
 	PassiveSk       uint64
