@@ -131,6 +131,7 @@ static __always_inline void arm_leave_poll(struct mw_conn *c)
  *  - its connection is PASSTHROUGH: it never was a redirect target;
  *  - PENDING and a segment arrives (the active side only is in the hash):
  *    the peer sends by TCP, so it is no local peer of ours: PASSTHROUGH;
+ *    or it sends one after the unpaired timeout: PASSTHROUGH too;
  *  - PAIRED and gone to TCP: the peer will never redirect to it again
  *    (peer_quiet), its own redirect queue is empty (the kernel frees what is
  *    queued when the psock goes), and its own direction is drained (one
@@ -154,8 +155,12 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 	c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
 	if (!c)
 		goto done; /* the active side closed: nothing is redirected to us any more */
-	if (c->state == MW_CONN_PENDING && receiving)
-		conn_passthrough(c, MW_REASON_NO_PEER);
+	if (c->state == MW_CONN_PENDING) {
+		if (receiving)
+			conn_passthrough(c, MW_REASON_NO_PEER);
+		else if (pending_expired(c))
+			conn_passthrough(c, MW_REASON_UNPAIRED_TIMEOUT);
+	}
 	key = st->peer;
 	key.role = st->role;
 	if (c->state == MW_CONN_PASSTHROUGH) {

@@ -25,7 +25,8 @@
  *      that byte goes by TCP, and so does every later byte in both directions.
  *      (redirect.h)
  *   4. a segment reaches the active side while PENDING: its peer sends by
- *      TCP, so it is none of ours: PENDING -> PASSTHROUGH (leave.h).
+ *      TCP, so it is none of ours: PENDING -> PASSTHROUGH; it sends one
+ *      after unpaired_timeout_ns: PENDING -> PASSTHROUGH (leave.h).
  * The passive side cannot send before step 2 (it is not accepted yet), and the
  * active side redirects only after it saw PAIRED, so no stream is ever split
  * between the two paths.
@@ -41,10 +42,12 @@
  * has never had, and never gets, a redirected byte to lose. The passive side
  * removes the active socket when it finds the decision made (step 2), and
  * itself when it loses the race to step 3; else the active socket removes
- * itself at its next packet, sent or received (leave.h), before a byte of it
- * is queued. An active socket whose peer never comes and that sends and
+ * itself at its next packet (leave.h), before a byte of it is queued: one it
+ * receives, or one it sends once the wait is over (its first byte, or the
+ * ACK it gives a listener's retransmitted SYN-ACK when its handshake's last
+ * ACK was lost). An active socket whose peer never comes and that sends and
  * receives nothing stays in the hash until it closes: with nothing queued,
- * tcp_bpf answers every call as TCP does, and it costs no timer per
+ * tcp_bpf answers every call as TCP does. That is the price of no timer per
  * connection.
  */
 #ifndef MESHWARP_PAIRING_H
@@ -61,6 +64,12 @@
 static __always_inline __u32 mw_now_us(void)
 {
 	return bpf_ktime_get_ns() >> 10;
+}
+
+/* Whether a PENDING connection waited longer than unpaired_timeout_ns for its peer. */
+static __always_inline bool pending_expired(const struct mw_conn *c)
+{
+	return mw_now_us() - c->pending_us > (__u32)(unpaired_timeout_ns >> 10);
 }
 
 /*
@@ -409,7 +418,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		return;
 	}
 	/* Born late (the handshake's last ACK lost, a listener's full queue). */
-	if (mw_now_us() - c->pending_us > (__u32)(unpaired_timeout_ns >> 10)) {
+	if (pending_expired(c)) {
 		passive_gives_up(&id, c, MW_REASON_UNPAIRED_TIMEOUT);
 		return;
 	}

@@ -325,9 +325,10 @@ func TestPrivilegedNoHarmPassthroughFIONREAD(t *testing.T) {
 				return
 			}
 			t.Logf("removed %v, passthrough conns %v", d.RemovedSockets, d.PassthroughConnections)
-			// Server first: the client waits; its accepted side, born from
-			// the retransmitted handshake a second later, finds it older
-			// than the unpaired timeout. Client first: its first byte
+			// Server first: the client waits; a second later the listener
+			// sends its SYN-ACK again, and the client's ACK to it (or the
+			// accepted side that ACK gives birth to) finds the connection
+			// older than the unpaired timeout. Client first: its first byte
 			// decides no_peer, and its data packet takes it out. Either way
 			// each client leaves the SOCKHASH, for one of these two reasons.
 			late, first := d.RemovedSockets["unpaired_timeout"], d.RemovedSockets["no_peer"]
