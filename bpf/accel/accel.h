@@ -261,7 +261,8 @@ struct mw_obs_conn {
 /*
  * mw_conns value, created by the active side at ESTABLISHED (pending_us): a
  * passive side established more than unpaired_timeout_ns later is not paired.
- * Its timer exists only once a switch to TCP waits (leave.h).
+ * Its timer, created when it is paired, is started only by a switch to TCP
+ * (leave.h).
  */
 struct mw_conn {
 	struct bpf_timer leave_timer;

@@ -93,18 +93,19 @@ static __always_inline void quiet_switch(struct mw_sk_state *st, struct mw_conn 
  * (on_leave_check). One that gets none after its conditions came true (a
  * reader whose TCP bytes were all acknowledged while it still had
  * redirected bytes to read; a requester that stopped sending) would stay in
- * mw_sock_hash, where FIONREAD counts only the empty redirect queue. So the
- * first packet at which a socket cannot leave yet arms the connection's
- * timer (every switch sends one: the message that goes by TCP), which
- * re-runs the check every MW_LEAVE_POLL_NS until both sockets are out, with
- * the rule of the receive path (no psock call running: one reference). The
- * sockets' own state (st->left, the counters) is settled at their next
- * callback or close. The timer is created only then: a connection that
- * never switches pays for none. Only sock_ops and its timer callbacks may
- * delete from a SOCKHASH, so sk_msg cannot arm it.
+ * mw_sock_hash, where FIONREAD counts only the empty redirect queue. The
+ * connection's timer re-runs the check every MW_LEAVE_POLL_NS from the
+ * switch until both sockets are out, with the rule of the receive path (no
+ * psock call running: one reference). The sockets' own state (st->left, the
+ * counters) is settled at their next callback or close. sock_ops creates
+ * the timer when the connection is paired (only sock_ops and its timer
+ * callbacks may delete from a SOCKHASH: sk_msg may start it, not create
+ * it), and the switch starts it: a connection that never switches has its
+ * timer created and freed, never started. The timer holds its program, so
+ * the poll works after the agent is uninstalled too, when no sock_ops
+ * callback runs any more.
  */
 #define MW_LEAVE_POLL_NS (20 * 1000 * 1000ULL)
-#define CLOCK_MONOTONIC 1
 
 static __always_inline void leave_poll(struct mw_conn_id *id, struct mw_conn *c);
 
@@ -114,12 +115,10 @@ static int on_leave_timer(void *map, struct mw_conn_id *id, struct mw_conn *c)
 	return 0;
 }
 
-/* Only the first caller creates and starts it (the others get EBUSY): a running poll re-arms itself. */
-static __always_inline void arm_leave_poll(struct mw_conn *c)
+/* The switch (sk_msg, redirect.h) starts the poll; an uncreated timer refuses (EINVAL), harmlessly. */
+static __always_inline void poll_leave(struct mw_conn *c)
 {
-	if (bpf_timer_init(&c->leave_timer, &mw_conns, CLOCK_MONOTONIC) == 0 &&
-	    bpf_timer_set_callback(&c->leave_timer, on_leave_timer) == 0)
-		bpf_timer_start(&c->leave_timer, MW_LEAVE_POLL_NS, 0);
+	bpf_timer_start(&c->leave_timer, MW_LEAVE_POLL_NS, 0);
 }
 
 /*
@@ -176,10 +175,8 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 	quiet_switch(st, c, me, (struct sock *)tp);
 	/* Sending, our own sendmsg holds a reference; receiving in softirq, none does. */
 	if (!peer_quiet(c, 1 - me) || redirect_backlog((struct sock *)tp) ||
-	    !own_dir_drained(c, me, (struct sock *)tp, receiving ? 1 : 2)) {
-		arm_leave_poll(c);
+	    !own_dir_drained(c, me, (struct sock *)tp, receiving ? 1 : 2))
 		return;
-	}
 	c->dir[me] = MW_DIR_DRAINED;
 	reason = c->to_tcp_reason;
 	if (bpf_map_delete_elem(&mw_sock_hash, &key) == 0) {

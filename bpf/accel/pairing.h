@@ -47,13 +47,17 @@
  * ACK it gives a listener's retransmitted SYN-ACK when its handshake's last
  * ACK was lost). An active socket whose peer never comes and that sends and
  * receives nothing stays in the hash until it closes: with nothing queued,
- * tcp_bpf answers every call as TCP does. That is the price of no timer per
- * connection.
+ * tcp_bpf answers every call as TCP does. That is the price of no timer
+ * started per connection (the leave poll's timer is created at pairing and
+ * started only by a switch: leave.h).
  */
 #ifndef MESHWARP_PAIRING_H
 #define MESHWARP_PAIRING_H
 
 #define EBUSY 16
+#define CLOCK_MONOTONIC 1
+
+static int on_leave_timer(void *map, struct mw_conn_id *id, struct mw_conn *c); /* leave.h */
 
 /*
  * The monotonic clock in 1.024 us units, in the 4 bytes mw_conn has for it:
@@ -477,6 +481,9 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	c->passive_sk = (__u64)(unsigned long)sk;
 	c->same_netns = bpf_get_netns_cookie(skops) == c->active_netns;
 	obs_passive_joins(sk, c);
+	/* The leave poll's timer (leave.h), ready before a switch can start it; without it, no poll. */
+	if (bpf_timer_init(&c->leave_timer, &mw_conns, CLOCK_MONOTONIC) == 0)
+		bpf_timer_set_callback(&c->leave_timer, on_leave_timer);
 	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PAIRED) != MW_CONN_PENDING) {
 		/*
 		 * The active side sent its first byte by TCP (or timed out) since
