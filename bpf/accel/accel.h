@@ -31,7 +31,7 @@ enum mw_role {
 struct mw_sock_key {
 	struct mw_conn_id conn;
 	__u64 active_cookie;
-	__u32 role; /* enum mw_role of the socket stored under this key */
+	enum mw_role role; /* of the socket stored under this key */
 	__u32 _pad;
 };
 
@@ -269,7 +269,7 @@ struct mw_conn {
 	__u64 active_cookie;
 	struct mw_endpoint active_local; /* what the passive side must see as its remote */
 	struct mw_endpoint active_remote; /* the destination the application dialled (the tap's tuple) */
-	__u32 state;                     /* enum mw_conn_state; changed only by cmpxchg */
+	enum mw_conn_state state;        /* changed only by cmpxchg */
 	/* Typed as the enums (4 bytes each) so they reach BTF: Go reads their names there. */
 	enum mw_reason reason;           /* when PASSTHROUGH */
 	enum mw_hop hop;                 /* written before state becomes PAIRED */

@@ -28,7 +28,7 @@ type accelMwConn struct {
 	ActiveCookie    uint64
 	ActiveLocal     accelMwEndpoint
 	ActiveRemote    accelMwEndpoint
-	State           uint32
+	State           accelMwConnState
 	Reason          accelMwReason
 	Hop             accelMwHop
 	ActiveIsSidecar uint32
@@ -65,6 +65,14 @@ type accelMwConnId struct {
 	ActiveIsn1  uint32
 	PassiveIsn1 uint32
 }
+
+type accelMwConnState uint32
+
+const (
+	accelMwConnStateMW_CONN_PENDING     accelMwConnState = 1
+	accelMwConnStateMW_CONN_PAIRED      accelMwConnState = 2
+	accelMwConnStateMW_CONN_PASSTHROUGH accelMwConnState = 3
+)
 
 type accelMwConnect struct {
 	_          structs.HostLayout
@@ -210,6 +218,13 @@ const (
 	accelMwReasonMW_REASON_MAX              accelMwReason = 27
 )
 
+type accelMwRole uint32
+
+const (
+	accelMwRoleMW_ROLE_ACTIVE  accelMwRole = 1
+	accelMwRoleMW_ROLE_PASSIVE accelMwRole = 2
+)
+
 type accelMwSkState struct {
 	_        structs.HostLayout
 	Peer     accelMwSockKey
@@ -258,7 +273,7 @@ type accelMwSockKey struct {
 	_            structs.HostLayout
 	Conn         accelMwConnId
 	ActiveCookie uint64
-	Role         uint32
+	Role         accelMwRole
 	Pad          uint32
 }
 

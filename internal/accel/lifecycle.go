@@ -64,6 +64,8 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 		errs = append(errs, a.sockops.Unpin(), a.sockops.Close())
 		a.sockops = nil
 	}
+	released, err := releaseUnpaired(a.objs.MwConns, a.objs.MwSockHash)
+	errs = append(errs, err)
 	for _, l := range a.hooks {
 		errs = append(errs, l.Unpin(), l.Close())
 	}
@@ -86,7 +88,8 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 	// The directory goes while this agent still holds it (Close unlocks).
 	errs = append(errs, removePinDir(a.cfg.PinDir))
 	errs = append(errs, a.Close())
-	a.logger.Info("acceleration uninstalled", "pin_dir", a.cfg.PinDir, "open_accelerated_sockets", openSockets)
+	a.logger.Info("acceleration uninstalled", "pin_dir", a.cfg.PinDir, "open_accelerated_sockets", openSockets,
+		"released_unpaired_sockets", released)
 	return openSockets, errors.Join(errs...)
 }
 
@@ -94,6 +97,9 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 type CleanupResult struct {
 	Removed                []string `json:"removed"`
 	OpenAcceleratedSockets uint64   `json:"open_accelerated_sockets"`
+	// ReleasedUnpairedSockets: connecting sockets still waiting for a peer,
+	// taken out of the SOCKHASH once sock_ops was detached (releaseUnpaired).
+	ReleasedUnpairedSockets int `json:"released_unpaired_sockets"`
 }
 
 // Cleanup removes whatever an agent pinned at pinDir (detaching its
@@ -123,6 +129,8 @@ func Cleanup(pinDir string) (CleanupResult, error) {
 	removed, err := crossnode.Cleanup(pinDir)
 	res.Removed = append(res.Removed, removed...)
 	errs = append(errs, err)
+	// Opened before the pins go; run once the links (sock_ops) are detached.
+	release, relErr := openPinnedRelease(pinDir)
 	// Links first (they detach when their last reference goes), then maps.
 	names := append(append([]string(nil), linkPins...), mapNames()...)
 	for _, name := range names {
@@ -135,6 +143,10 @@ func Cleanup(pinDir string) (CleanupResult, error) {
 			continue
 		}
 		res.Removed = append(res.Removed, p)
+	}
+	if relErr == nil {
+		res.ReleasedUnpairedSockets, err = release()
+		errs = append(errs, err)
 	}
 	if left := pinnedNames(pinDir); len(left) > 0 {
 		errs = append(errs, fmt.Errorf("%s still holds objects meshwarp did not pin (%d); left it in place", pinDir, len(left)))

@@ -343,6 +343,68 @@ func TestPrivilegedNoHarmPassthroughFIONREAD(t *testing.T) {
 	})
 }
 
+// A client still waiting in the SOCKHASH for its accepted side (born late:
+// the handshake's last ACK is dropped) when the agent is uninstalled, or
+// when `meshwarp cleanup` removes what a killed agent left. No sock_ops
+// callback runs after that to take it out at its first packet, so the
+// uninstall (the cleanup) does. The accepted side is born from the
+// retransmitted handshake and speaks first: FIONREAD counts its bytes and
+// they arrive intact, as without the agent.
+func TestPrivilegedUninstallReleasesWaitingClient(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	for _, how := range []string{"uninstall", "cleanup"} {
+		t.Run(how, func(t *testing.T) { uninstallWithWaitingClient(t, how) })
+	}
+}
+
+func uninstallWithWaitingClient(t *testing.T, how string) {
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		ns := testutil.NewNetns(t, "release")
+		dropFinalHandshakeACK(t, ns, 7005)
+		ln := listenIn(t, ns, "127.0.0.1:7005")
+		defer ln.Close()
+		client, err := dialBigRcvbuf(ns, ln.Addr().String())
+		if err != nil {
+			t.Fatalf("dial: %v", err)
+		}
+		defer client.Close()
+		if a != nil {
+			if !slices.Contains(sockhashCookies(t, a), socketCookie(t, client)) {
+				t.Fatal("the waiting client is not in the SOCKHASH: the test would not exercise the release")
+			}
+			if how == "uninstall" {
+				if _, err := a.Uninstall(); err != nil {
+					t.Fatalf("uninstall: %v", err)
+				}
+			} else {
+				a.Close() // killed: everything stays attached and pinned
+				res, err := Cleanup(a.cfg.PinDir)
+				if err != nil {
+					t.Fatalf("cleanup: %v", err)
+				}
+				if res.ReleasedUnpairedSockets != 1 {
+					t.Fatalf("cleanup released %d waiting sockets, want 1", res.ReleasedUnpairedSockets)
+				}
+			}
+		}
+		server, err := ln.Accept()
+		if err != nil {
+			t.Fatalf("accept: %v", err)
+		}
+		defer server.Close()
+		response := make([]byte, 10000)
+		for i := range response {
+			response[i] = pattern(int64(i))
+		}
+		if _, err := server.Write(response); err != nil {
+			t.Fatalf("server write: %v", err)
+		}
+		if err := receive(client, response); err != nil {
+			t.Fatalf("client: %v", err)
+		}
+	})
+}
+
 // Pairing races removal: with an unpaired timeout far below the time the
 // accepted side takes to be established on a busy machine, connections end
 // up on both sides of the race (paired, or left to TCP because the accepted

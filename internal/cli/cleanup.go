@@ -45,6 +45,9 @@ removed; running it twice is harmless.`,
 			if res.OpenAcceleratedSockets > 0 {
 				fmt.Fprintf(out, "%d accelerated sockets are still open; they keep working until they close\n", res.OpenAcceleratedSockets)
 			}
+			if res.ReleasedUnpairedSockets > 0 {
+				fmt.Fprintf(out, "%d connecting sockets still waiting for a peer went back to plain TCP\n", res.ReleasedUnpairedSockets)
+			}
 			return err
 		},
 	}
