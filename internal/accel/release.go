@@ -3,7 +3,6 @@
 package accel
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"path/filepath"
@@ -53,7 +52,16 @@ func releaseUnpaired(conns, sockhash *ebpf.Map) (int, error) {
 // openPinnedRelease opens the maps pinned in pinDir for releaseUnpaired
 // (Cleanup: the agent that pinned them is gone). Open them before unpinning,
 // call release after the sock_ops link is unpinned (it closes them).
+// Maps of another build's layout are left alone: their entries may mean
+// something else, and that build's own programs take care of its sockets.
 func openPinnedRelease(pinDir string) (release func() (int, error), err error) {
+	spec, err := loadAccel()
+	if err != nil {
+		return nil, err
+	}
+	if err := checkPinnedLayout(spec, pinDir); err != nil {
+		return nil, err
+	}
 	conns, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwConns), nil)
 	if err != nil {
 		return nil, err
@@ -62,13 +70,6 @@ func openPinnedRelease(pinDir string) (release func() (int, error), err error) {
 	if err != nil {
 		conns.Close()
 		return nil, err
-	}
-	// Another build's layout: its own programs take care of its sockets.
-	if conns.KeySize() != uint32(binary.Size(accelMwConnId{})) || conns.ValueSize() != uint32(binary.Size(accelMwConn{})) ||
-		hash.KeySize() != uint32(binary.Size(accelMwSockKey{})) {
-		conns.Close()
-		hash.Close()
-		return nil, errors.New("pinned maps of another layout")
 	}
 	return func() (int, error) {
 		defer conns.Close()
