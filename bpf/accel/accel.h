@@ -215,31 +215,40 @@ struct mw_flow {
  * and at close.
  */
 struct mw_obs_sock {
+	/* What every redirected message reads or writes (obs_msg) first: the line after mw_sock.pair's. */
+	__u32 started;     /* observed since its connect or establishment (else unknown) */
+	__u32 accelerated; /* its connection was paired (sk_msg saw it) */
+	__u64 bytes;      /* payload bytes not yet added to mw_flows */
+	__u64 flushed_ns; /* when they were last added */
 	__u64 netns;
 	struct mw_endpoint server;
 	__u32 point;      /* enum mw_point */
 	__u64 start_ns;   /* connect (failures) or established; 0 once its end was recorded */
 	__u64 req_ns;     /* TCP path: a request in flight since (0: none) */
-	__u64 bytes;      /* payload bytes not yet added to mw_flows */
-	__u64 flushed_ns; /* when they were last added */
 	__u64 app_req_ns; /* a client application's request not yet answered by a read */
 	__u32 req_method; /* enum mw_method of the request in flight */
 	__u32 req_egress; /* the request left through this socket (1) or arrived (0) */
 	__u32 snd_next;   /* end of the highest segment sent / received: retransmitted */
 	__u32 rcv_next;   /* segments are not parsed twice */
 	__u32 seq_set;    /* bit 0: snd_next set, bit 1: rcv_next set */
-	__u32 accelerated; /* its connection was paired (sk_msg saw it) */
-	__u32 started;     /* observed since its connect or establishment (else unknown) */
+	__u32 _pad;
 };
 
 /*
  * What sk_msg observes of a paired connection (mw_conn.obs): a request in
- * flight and the bytes each side redirected.
+ * flight and the bytes each side redirected. What a message reads or
+ * writes comes first (see struct mw_conn).
  */
 struct mw_obs_conn {
-	__u64 req_ns;
-	__u64 req_netns;
 	__u64 sent[2];    /* bytes each side redirected, by role - 1 (each written by its own side only) */
+	__u64 req_ns;
+	__u32 req_role;   /* enum mw_role of the requesting side */
+	__u32 req_point;  /* its enum mw_point */
+	__u32 req_method;
+	__u32 passive_point;
+	__u64 req_netns;
+	struct mw_endpoint req_server;
+	__u32 passive_observed; /* the passive side's end is observed (set before PAIRED) */
 	/*
 	 * Of the other side's sent, what each side's flow has been given (by
 	 * role - 1; claimed by cmpxchg: the side itself at a flush or its close,
@@ -249,12 +258,6 @@ struct mw_obs_conn {
 	/* The passive side's flow (its mw_obs_sock), for the active side to give it its last bytes. */
 	__u64 passive_netns;
 	struct mw_endpoint passive_server;
-	__u32 passive_point;
-	__u32 passive_observed; /* the passive side's end is observed (set before PAIRED) */
-	struct mw_endpoint req_server;
-	__u32 req_role;   /* enum mw_role of the requesting side */
-	__u32 req_point;  /* its enum mw_point */
-	__u32 req_method;
 	__u32 _pad;
 };
 
@@ -265,16 +268,30 @@ struct mw_obs_conn {
  * (leave.h).
  */
 struct mw_conn {
-	struct bpf_timer leave_timer;
-	__u64 active_cookie;
-	struct mw_endpoint active_local; /* what the passive side must see as its remote */
-	struct mw_endpoint active_remote; /* the destination the application dialled (the tap's tuple) */
-	enum mw_conn_state state;        /* changed only by cmpxchg */
+	/*
+	 * What every message reads or writes (redirect.h, observe.h) first:
+	 * the hash lookup has just read the key in front of them, so they are
+	 * on its cache lines, not on lines of their own.
+	 */
+	__u32 to_tcp;
+	__u32 last_sender;      /* role of the side that sent the last redirected message */
+	__u32 same_netns;       /* both sockets in one network namespace (loopback) */
+	enum mw_conn_state state; /* changed only by cmpxchg */
+	struct mw_obs_conn obs;
+	/*
+	 * A paired connection that continues on TCP as a whole (to_tcp set once,
+	 * by cmpxchg, with to_tcp_reason): each side switches its direction on
+	 * its next message, and both sockets leave mw_sock_hash once nothing
+	 * redirected can be in flight or unread (see on_leave_check).
+	 */
+	__u32 dir[2];           /* enum mw_dir, by role - 1 */
+	enum mw_reason to_tcp_reason;
 	/* Typed as the enums (4 bytes each) so they reach BTF: Go reads their names there. */
 	enum mw_reason reason;           /* when PASSTHROUGH */
 	enum mw_hop hop;                 /* written before state becomes PAIRED */
 	__u32 active_is_sidecar;         /* the connecting socket belongs to the sidecar uid */
 	__u32 pending_us;                /* when it became PENDING: mw_now_us(), wraps in 73 min */
+	__u32 _pad;
 	/*
 	 * Kernel addresses of the two sockets (struct sock), for reading the
 	 * peer's redirect queue depth with bpf_probe_read_kernel. Read only while
@@ -285,18 +302,10 @@ struct mw_conn {
 	__u64 active_sk;
 	__u64 passive_sk;
 	__u64 active_netns; /* netns cookie of the connecting socket */
-	/*
-	 * A paired connection that continues on TCP as a whole (to_tcp set once,
-	 * by cmpxchg, with to_tcp_reason): each side switches its direction on
-	 * its next message, and both sockets leave mw_sock_hash once nothing
-	 * redirected can be in flight or unread (see on_leave_check).
-	 */
-	__u32 dir[2];           /* enum mw_dir, by role - 1 */
-	__u32 to_tcp;
-	enum mw_reason to_tcp_reason;
-	__u32 same_netns;       /* both sockets in one network namespace (loopback) */
-	__u32 last_sender;      /* role of the side that sent the last redirected message */
-	struct mw_obs_conn obs;
+	__u64 active_cookie;
+	struct mw_endpoint active_local; /* what the passive side must see as its remote */
+	struct mw_endpoint active_remote; /* the destination the application dialled (the tap's tuple) */
+	struct bpf_timer leave_timer;
 };
 
 /*

@@ -21,42 +21,42 @@ type accelMwCidrKey struct {
 
 type accelMwConn struct {
 	_          structs.HostLayout
-	LeaveTimer struct {
-		_      structs.HostLayout
-		Opaque [2]uint64
+	ToTcp      uint32
+	LastSender uint32
+	SameNetns  uint32
+	State      accelMwConnState
+	Obs        struct {
+		_               structs.HostLayout
+		Sent            [2]uint64
+		ReqNs           uint64
+		ReqRole         uint32
+		ReqPoint        uint32
+		ReqMethod       uint32
+		PassivePoint    uint32
+		ReqNetns        uint64
+		ReqServer       accelMwEndpoint
+		PassiveObserved uint32
+		Seen            [2]uint64
+		PassiveNetns    uint64
+		PassiveServer   accelMwEndpoint
+		Pad             uint32
 	}
-	ActiveCookie    uint64
-	ActiveLocal     accelMwEndpoint
-	ActiveRemote    accelMwEndpoint
-	State           accelMwConnState
+	Dir             [2]uint32
+	ToTcpReason     accelMwReason
 	Reason          accelMwReason
 	Hop             accelMwHop
 	ActiveIsSidecar uint32
 	PendingUs       uint32
-	_               [4]byte
+	Pad             uint32
 	ActiveSk        uint64
 	PassiveSk       uint64
 	ActiveNetns     uint64
-	Dir             [2]uint32
-	ToTcp           uint32
-	ToTcpReason     accelMwReason
-	SameNetns       uint32
-	LastSender      uint32
-	Obs             struct {
-		_               structs.HostLayout
-		ReqNs           uint64
-		ReqNetns        uint64
-		Sent            [2]uint64
-		Seen            [2]uint64
-		PassiveNetns    uint64
-		PassiveServer   accelMwEndpoint
-		PassivePoint    uint32
-		PassiveObserved uint32
-		ReqServer       accelMwEndpoint
-		ReqRole         uint32
-		ReqPoint        uint32
-		ReqMethod       uint32
-		Pad             uint32
+	ActiveCookie    uint64
+	ActiveLocal     accelMwEndpoint
+	ActiveRemote    accelMwEndpoint
+	LeaveTimer      struct {
+		_      structs.HostLayout
+		Opaque [2]uint64
 	}
 }
 
@@ -249,22 +249,22 @@ type accelMwSock struct {
 	Pair accelMwSkState
 	Obs  struct {
 		_           structs.HostLayout
+		Started     uint32
+		Accelerated uint32
+		Bytes       uint64
+		FlushedNs   uint64
 		Netns       uint64
 		Server      accelMwEndpoint
 		Point       uint32
 		StartNs     uint64
 		ReqNs       uint64
-		Bytes       uint64
-		FlushedNs   uint64
 		AppReqNs    uint64
 		ReqMethod   uint32
 		ReqEgress   uint32
 		SndNext     uint32
 		RcvNext     uint32
 		SeqSet      uint32
-		Accelerated uint32
-		Started     uint32
-		_           [4]byte
+		Pad         uint32
 	}
 	Prog accelMwProg
 }
