@@ -379,18 +379,19 @@ _Static_assert(__builtin_offsetof(struct mw_sock, pair) == 0, "mw_sock.pair must
 
 /* Counters, one copy per CPU (summed by Go). Cumulative. */
 struct mw_counters {
+	/* What every redirected message adds to (redirect.h) first, together. */
+	__u64 redirected_msgs;
+	__u64 redirected_bytes;
+	__u64 hop_msgs[MW_HOP_MAX];
+	__u64 hop_bytes[MW_HOP_MAX];
 	__u64 sockets_paired; /* sockets that joined a paired connection */
 	__u64 sockets_closed; /* paired sockets that closed since */
 	__u64 sockets_left;   /* paired sockets that left the SOCKHASH when their connection went to TCP */
-	__u64 redirected_msgs;
-	__u64 redirected_bytes;
 	__u64 sockhash_full;
 	__u64 passthrough_msgs[MW_REASON_MAX];
 	__u64 passthrough_bytes[MW_REASON_MAX];
 	__u64 passthrough_conns[MW_REASON_MAX];
 	__u64 hop_conns[MW_HOP_MAX];
-	__u64 hop_msgs[MW_HOP_MAX];
-	__u64 hop_bytes[MW_HOP_MAX];
 	__u64 splice_socket_reads; /* splice(2) from a socket by a process in the cgroup */
 	__u64 nat_port_remaps;     /* paired connections whose source port NAT rewrote on the way */
 	__u64 unfit_calls[MW_REASON_MAX]; /* calls that taught a learned reason (see mw_unfit_procs) */

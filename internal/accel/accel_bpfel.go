@@ -82,18 +82,18 @@ type accelMwConnect struct {
 
 type accelMwCounters struct {
 	_                 structs.HostLayout
+	RedirectedMsgs    uint64
+	RedirectedBytes   uint64
+	HopMsgs           [4]uint64
+	HopBytes          [4]uint64
 	SocketsPaired     uint64
 	SocketsClosed     uint64
 	SocketsLeft       uint64
-	RedirectedMsgs    uint64
-	RedirectedBytes   uint64
 	SockhashFull      uint64
 	PassthroughMsgs   [27]uint64
 	PassthroughBytes  [27]uint64
 	PassthroughConns  [27]uint64
 	HopConns          [4]uint64
-	HopMsgs           [4]uint64
-	HopBytes          [4]uint64
 	SpliceSocketReads uint64
 	NatPortRemaps     uint64
 	UnfitCalls        [27]uint64
