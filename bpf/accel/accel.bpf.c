@@ -99,8 +99,10 @@ int mw_sockops(struct bpf_sock_ops *skops)
 		on_leave_check(skops, sk, cb_flags, true);
 		break;
 	case BPF_SOCK_OPS_STATE_CB:
-		if (new_state != BPF_TCP_CLOSE)
+		if (new_state != BPF_TCP_CLOSE) {
+			closing_stops_leave_checks(skops, new_state, cb_flags);
 			break;
+		}
 		if (old_state == BPF_TCP_SYN_SENT) {
 			if (accelerate)
 				on_connect_failed(skops, snd_una);

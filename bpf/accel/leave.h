@@ -59,12 +59,42 @@ static __always_inline bool own_dir_drained(const struct mw_conn *c, __u32 me, s
 	return psock_refs(self) == refs && peer_backlog(peer) == 0;
 }
 
-static __always_inline void stop_leave_checks(struct bpf_sock_ops *skops, __u32 cb_flags)
-{
-	__u32 mask = BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG | BPF_SOCK_OPS_PARSE_ALL_HDR_OPT_CB_FLAG;
+#define MW_LEAVE_CHECK_FLAGS (BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG | BPF_SOCK_OPS_PARSE_ALL_HDR_OPT_CB_FLAG)
 
+static __always_inline void stop_leave_checks(struct bpf_sock_ops *skops, __u32 cb_flags, __u32 mask)
+{
 	if (cb_flags & mask)
 		bpf_sock_ops_cb_flags_set(skops, cb_flags & ~mask);
+}
+
+/*
+ * STATE_CB of a closing socket. The leave checks run where a packet may
+ * send or queue bytes (on_leave_check), so a way that can carry no more
+ * bytes stops its check: once the socket sent its FIN it sends no more
+ * bytes (its later packets are ACKs, and retransmissions of bytes whose
+ * first send was checked); once it received the peer's FIN, every byte
+ * before it is in (the FIN is processed in sequence). A packet of the
+ * other way still checks. About four sock_ops runs fewer per connection.
+ */
+static __always_inline void closing_stops_leave_checks(struct bpf_sock_ops *skops, __u32 new_state, __u32 cb_flags)
+{
+	__u32 mask = 0;
+
+	switch (new_state) {
+	case BPF_TCP_FIN_WAIT1:
+	case BPF_TCP_FIN_WAIT2:
+		mask = BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG; /* sent its FIN */
+		break;
+	case BPF_TCP_CLOSE_WAIT:
+		mask = BPF_SOCK_OPS_PARSE_ALL_HDR_OPT_CB_FLAG; /* received the peer's */
+		break;
+	case BPF_TCP_LAST_ACK:
+	case BPF_TCP_CLOSING:
+	case BPF_TCP_TIME_WAIT:
+		mask = MW_LEAVE_CHECK_FLAGS; /* both */
+		break;
+	}
+	stop_leave_checks(skops, cb_flags, mask);
 }
 
 /*
@@ -190,7 +220,7 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 	st->left = 1;
 	st->paired = 0;
 done:
-	stop_leave_checks(skops, cb_flags);
+	stop_leave_checks(skops, cb_flags, MW_LEAVE_CHECK_FLAGS);
 }
 
 /* Whether the socket of role index me is out of mw_sock_hash (now or before). */
