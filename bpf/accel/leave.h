@@ -68,13 +68,18 @@ static __always_inline void stop_leave_checks(struct bpf_sock_ops *skops, __u32 
 }
 
 /*
- * STATE_CB of a closing socket. The leave checks run where a packet may
- * send or queue bytes (on_leave_check), so a way that can carry no more
- * bytes stops its check: once the socket sent its FIN it sends no more
- * bytes (its later packets are ACKs, and retransmissions of bytes whose
- * first send was checked); once it received the peer's FIN, every byte
- * before it is in (the FIN is processed in sequence). A packet of the
- * other way still checks. About four sock_ops runs fewer per connection.
+ * STATE_CB of a closing socket. The leave checks run with the packets at
+ * which a socket may leave (on_leave_check); a way that brings no new
+ * bytes any more stops its check:
+ *  - the socket queued its FIN (FIN_WAIT1/2; LAST_ACK, CLOSING, TIME_WAIT):
+ *    nothing is written after it, and what it still transmits was written
+ *    before and gets ACKs back, whose receive check stays until the
+ *    peer's FIN;
+ *  - it received the peer's FIN (CLOSE_WAIT; the same three): every byte
+ *    before it is in (a FIN is processed in sequence), so no arriving
+ *    packet queues a byte any more.
+ * With both stopped, the leave poll (started by a switch) is what is left.
+ * About four sock_ops runs fewer per connection.
  */
 static __always_inline void closing_stops_leave_checks(struct bpf_sock_ops *skops, __u32 new_state, __u32 cb_flags)
 {
@@ -83,7 +88,7 @@ static __always_inline void closing_stops_leave_checks(struct bpf_sock_ops *skop
 	switch (new_state) {
 	case BPF_TCP_FIN_WAIT1:
 	case BPF_TCP_FIN_WAIT2:
-		mask = BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG; /* sent its FIN */
+		mask = BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG; /* queued its FIN */
 		break;
 	case BPF_TCP_CLOSE_WAIT:
 		mask = BPF_SOCK_OPS_PARSE_ALL_HDR_OPT_CB_FLAG; /* received the peer's */
