@@ -59,8 +59,6 @@ static __always_inline bool own_dir_drained(const struct mw_conn *c, __u32 me, s
 	return psock_refs(self) == refs && peer_backlog(peer) == 0;
 }
 
-#define MW_LEAVE_CHECK_FLAGS (BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG | BPF_SOCK_OPS_PARSE_ALL_HDR_OPT_CB_FLAG)
-
 static __always_inline void stop_leave_checks(struct bpf_sock_ops *skops, __u32 cb_flags, __u32 mask)
 {
 	if (cb_flags & mask)

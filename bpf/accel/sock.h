@@ -108,8 +108,8 @@ static __always_inline void want_state_cb(struct bpf_sock_ops *skops, __u32 flag
  * connection sends and receives no TCP packets while it redirects, so this
  * costs nothing until then.
  */
-#define MW_CB_FLAGS                                                                                \
-	(BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG | BPF_SOCK_OPS_PARSE_ALL_HDR_OPT_CB_FLAG)
+#define MW_LEAVE_CHECK_FLAGS (BPF_SOCK_OPS_WRITE_HDR_OPT_CB_FLAG | BPF_SOCK_OPS_PARSE_ALL_HDR_OPT_CB_FLAG)
+#define MW_CB_FLAGS (BPF_SOCK_OPS_STATE_CB_FLAG | MW_LEAVE_CHECK_FLAGS)
 
 static __always_inline void want_callbacks(struct bpf_sock_ops *skops, __u32 flags)
 {
