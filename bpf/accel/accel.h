@@ -264,8 +264,8 @@ struct mw_obs_conn {
 /*
  * mw_conns value, created by the active side at ESTABLISHED (pending_us): a
  * passive side established more than unpaired_timeout_ns later is not paired.
- * Its timer, created when it is paired, is started only by a switch to TCP
- * (leave.h).
+ * No timer of its own: a switch to TCP puts it on the leave poll's list
+ * (mw_leave_polls, leave.h).
  */
 struct mw_conn {
 	/*
@@ -305,7 +305,18 @@ struct mw_conn {
 	__u64 active_cookie;
 	struct mw_endpoint active_local; /* what the passive side must see as its remote */
 	struct mw_endpoint active_remote; /* the destination the application dialled (the tap's tuple) */
-	struct bpf_timer leave_timer;
+};
+
+/*
+ * mw_leave_clock's one value: the node's one leave poll timer (leave.h),
+ * created by sock_ops at a pairing, started by a switch to TCP, re-armed by
+ * itself while mw_leave_polls lists a connection.
+ */
+struct mw_leave_clock {
+	struct bpf_timer timer;
+	__u64 owner;  /* leave_clock_owner of the programs whose callback it runs */
+	__u32 armed;  /* started and not fired yet (set by cmpxchg) */
+	__u32 polls;  /* entries in mw_leave_polls */
 };
 
 /*

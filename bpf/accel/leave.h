@@ -126,32 +126,64 @@ static __always_inline void quiet_switch(struct mw_sk_state *st, struct mw_conn 
  * (on_leave_check). One that gets none after its conditions came true (a
  * reader whose TCP bytes were all acknowledged while it still had
  * redirected bytes to read; a requester that stopped sending) would stay in
- * mw_sock_hash, where FIONREAD counts only the empty redirect queue. The
- * connection's timer re-runs the check every MW_LEAVE_POLL_NS from the
- * switch until both sockets are out, with the rule of the receive path (no
- * psock call running: one reference). The sockets' own state (st->left, the
- * counters) is settled at their next callback or close. sock_ops creates
- * the timer when the connection is paired (only sock_ops and its timer
- * callbacks may delete from a SOCKHASH: sk_msg may start it, not create
- * it), and the switch starts it: a connection that never switches has its
- * timer created and freed, never started. The timer holds its program, so
- * the poll works after the agent is uninstalled too, when no sock_ops
- * callback runs any more.
+ * mw_sock_hash, where FIONREAD counts only the empty redirect queue. So the
+ * switch puts its connection on mw_leave_polls, and the node's one leave
+ * timer (mw_leave_clock) re-runs the check of every listed connection every
+ * MW_LEAVE_POLL_NS until both its sockets are out, with the rule of the
+ * receive path (no psock call running: one reference). The sockets' own
+ * state (st->left, the counters) is settled at their next callback or
+ * close. sock_ops creates the timer at a pairing, once per load of the
+ * programs (only sock_ops and its timer callbacks may delete from a
+ * SOCKHASH: sk_msg may start the timer, not create it); the switch starts
+ * it; it re-arms itself while the list is not empty. The timer holds its
+ * program, so the poll works after the agent is uninstalled too, when no
+ * sock_ops callback runs any more.
  */
 #define MW_LEAVE_POLL_NS (20 * 1000 * 1000ULL)
 
-static __always_inline void leave_poll(struct mw_conn_id *id, struct mw_conn *c);
+static int on_leave_clock(void *map, __u32 *key, struct mw_leave_clock *clock);
 
-static int on_leave_timer(void *map, struct mw_conn_id *id, struct mw_conn *c)
+static __always_inline struct mw_leave_clock *leave_clock(void)
 {
-	leave_poll(id, c);
-	return 0;
+	__u32 zero = 0;
+
+	return bpf_map_lookup_elem(&mw_leave_clock, &zero);
 }
 
-/* The switch (sk_msg, redirect.h) starts the poll; an uncreated timer refuses (EINVAL), harmlessly. */
-static __always_inline void poll_leave(struct mw_conn *c)
+/* sock_ops, at a pairing: the timer exists and runs this load's callback (once per load). */
+static __always_inline void leave_clock_ready(void)
 {
-	bpf_timer_start(&c->leave_timer, MW_LEAVE_POLL_NS, 0);
+	struct mw_leave_clock *clock = leave_clock();
+
+	if (!clock || clock->owner == leave_clock_owner)
+		return;
+	/* EBUSY: an earlier load created it; the callback becomes ours either way. */
+	bpf_timer_init(&clock->timer, &mw_leave_clock, CLOCK_MONOTONIC);
+	if (bpf_timer_set_callback(&clock->timer, on_leave_clock) == 0)
+		clock->owner = leave_clock_owner;
+}
+
+/* Start the timer unless it is armed already (a restart would push its expiry out). */
+static __always_inline void arm_leave_clock(struct mw_leave_clock *clock)
+{
+	if (__sync_val_compare_and_swap(&clock->armed, 0, 1) != 0)
+		return;
+	/* Not created yet (no pairing since the maps were made): it is, at the next one. */
+	if (bpf_timer_start(&clock->timer, MW_LEAVE_POLL_NS, 0))
+		clock->armed = 0;
+}
+
+/* The switch (sk_msg, redirect.h): list the connection for the poll. */
+static __always_inline void poll_leave(const struct mw_conn_id *id)
+{
+	struct mw_leave_clock *clock = leave_clock();
+	__u32 one = 1;
+
+	if (!clock)
+		return;
+	if (bpf_map_update_elem(&mw_leave_polls, id, &one, BPF_NOEXIST) == 0)
+		__sync_fetch_and_add(&clock->polls, 1);
+	arm_leave_clock(clock);
 }
 
 /*
@@ -242,17 +274,33 @@ static __always_inline bool leave_by_timer(const struct mw_conn_id *id, struct m
 	return true;
 }
 
-/* The timer: re-run the leave check of both sockets until both are out. */
-static __always_inline void leave_poll(struct mw_conn_id *id, struct mw_conn *c)
+/* The poll of one listed connection: whether it is done (both sockets out, or closed). */
+static int leave_poll(void *map, struct mw_conn_id *id, __u32 *v, void *ctx)
 {
-	bool out;
+	struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, id);
+	struct mw_leave_clock *clock;
+	bool out = true;
 
-	if (c->state != MW_CONN_PAIRED || !c->to_tcp)
-		return;
-	out = leave_by_timer(id, c, 0);
-	out = leave_by_timer(id, c, 1) && out;
-	if (!out)
-		bpf_timer_start(&c->leave_timer, MW_LEAVE_POLL_NS, 0);
+	if (c && c->state == MW_CONN_PAIRED && c->to_tcp) {
+		out = leave_by_timer(id, c, 0);
+		out = leave_by_timer(id, c, 1) && out;
+	}
+	if (!out || bpf_map_delete_elem(&mw_leave_polls, id))
+		return 0;
+	clock = leave_clock();
+	if (clock)
+		__sync_fetch_and_sub(&clock->polls, 1);
+	return 0;
+}
+
+/* The timer: poll every listed connection; again later while any is left. */
+static int on_leave_clock(void *map, __u32 *key, struct mw_leave_clock *clock)
+{
+	clock->armed = 0;
+	bpf_for_each_map_elem(&mw_leave_polls, leave_poll, NULL, 0);
+	if (clock->polls)
+		arm_leave_clock(clock);
+	return 0;
 }
 
 static __always_inline void on_close(struct bpf_sock *sk)

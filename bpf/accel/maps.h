@@ -53,6 +53,18 @@ MW_PINNED_MAP(BPF_MAP_TYPE_SOCKHASH, MW_DEFAULT_CAPACITY, struct mw_sock_key, __
 MW_PINNED_MAP(BPF_MAP_TYPE_HASH, MW_DEFAULT_CAPACITY, struct mw_conn_id, struct mw_conn) mw_conns SEC(".maps");
 
 /*
+ * The leave poll (leave.h): the connections whose sockets wait to leave
+ * mw_sock_hash after a switch to TCP, and the one timer that checks them.
+ * One timer for the node, not one per connection: a timer is an allocation
+ * freed through RCU, and on 6.18 each such free costs an interrupt
+ * (docs/BENCHMARKS.md section 29).
+ */
+MW_PINNED_MAP(BPF_MAP_TYPE_HASH, MW_DEFAULT_CAPACITY, struct mw_conn_id, __u32) mw_leave_polls SEC(".maps");
+MW_PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct mw_leave_clock) mw_leave_clock SEC(".maps");
+/* Set by the loader, different for every load: the load whose callback the timer runs. */
+const volatile __u64 leave_clock_owner;
+
+/*
  * Step 0 notes (hints.h), not keyed by netns: the active side may be in
  * another namespace than its listener. They only let a socket join
  * mw_sock_hash; the pairing itself is proven by both sequence numbers

@@ -57,7 +57,7 @@
 #define EBUSY 16
 #define CLOCK_MONOTONIC 1
 
-static int on_leave_timer(void *map, struct mw_conn_id *id, struct mw_conn *c); /* leave.h */
+static __always_inline void leave_clock_ready(void); /* leave.h */
 
 /*
  * The monotonic clock in 1.024 us units, in the 4 bytes mw_conn has for it:
@@ -481,9 +481,8 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	c->passive_sk = (__u64)(unsigned long)sk;
 	c->same_netns = bpf_get_netns_cookie(skops) == c->active_netns;
 	obs_passive_joins(sk, c);
-	/* The leave poll's timer (leave.h), ready before a switch can start it; without it, no poll. */
-	if (bpf_timer_init(&c->leave_timer, &mw_conns, CLOCK_MONOTONIC) == 0)
-		bpf_timer_set_callback(&c->leave_timer, on_leave_timer);
+	/* The leave poll's timer (leave.h), ready before a switch can start it. */
+	leave_clock_ready();
 	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PAIRED) != MW_CONN_PENDING) {
 		/*
 		 * The active side sent its first byte by TCP (or timed out) since

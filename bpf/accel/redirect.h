@@ -93,7 +93,7 @@ static __always_inline void to_tcp(struct mw_sk_state *st, struct mw_conn *c, __
 	st->reason = c->to_tcp_reason;
 	__sync_val_compare_and_swap(&c->dir[me], MW_DIR_REDIRECT, dir);
 	__sync_val_compare_and_swap(&c->dir[1 - me], MW_DIR_UNDECIDED, MW_DIR_NEVER);
-	poll_leave(c);
+	poll_leave(&st->peer.conn);
 }
 
 /*

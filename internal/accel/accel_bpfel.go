@@ -54,10 +54,6 @@ type accelMwConn struct {
 	ActiveCookie    uint64
 	ActiveLocal     accelMwEndpoint
 	ActiveRemote    accelMwEndpoint
-	LeaveTimer      struct {
-		_      structs.HostLayout
-		Opaque [2]uint64
-	}
 }
 
 type accelMwConnId struct {
@@ -137,6 +133,17 @@ const (
 	accelMwHopMW_HOP_SIDECAR_TO_APP     accelMwHop = 3
 	accelMwHopMW_HOP_MAX                accelMwHop = 4
 )
+
+type accelMwLeaveClock struct {
+	_     structs.HostLayout
+	Timer struct {
+		_      structs.HostLayout
+		Opaque [2]uint64
+	}
+	Owner uint64
+	Armed uint32
+	Polls uint32
+}
 
 type accelMwMethod uint32
 
@@ -350,6 +357,8 @@ const (
 	accelMapMwConns                = "mw_conns"
 	accelMapMwFlows                = "mw_flows"
 	accelMapMwLearnedAny           = "mw_learned_any"
+	accelMapMwLeaveClock           = "mw_leave_clock"
+	accelMapMwLeavePolls           = "mw_leave_polls"
 	accelMapMwPolicy               = "mw_policy"
 	accelMapMwPortPolicy           = "mw_port_policy"
 	accelMapMwSkStore              = "mw_sk_store"
@@ -387,6 +396,7 @@ const (
 	accelProgMwSysSplice           = "mw_sys_splice"
 	accelVarAccelerate             = "accelerate"
 	accelVarInboundCapturePort     = "inbound_capture_port"
+	accelVarLeaveClockOwner        = "leave_clock_owner"
 	accelVarObsBoundsNs            = "obs_bounds_ns"
 	accelVarObserve                = "observe"
 	accelVarOutboundCapturePort    = "outbound_capture_port"
@@ -479,6 +489,8 @@ type accelMapSpecs struct {
 	MwConns       *ebpf.MapSpec `ebpf:"mw_conns"`
 	MwFlows       *ebpf.MapSpec `ebpf:"mw_flows"`
 	MwLearnedAny  *ebpf.MapSpec `ebpf:"mw_learned_any"`
+	MwLeaveClock  *ebpf.MapSpec `ebpf:"mw_leave_clock"`
+	MwLeavePolls  *ebpf.MapSpec `ebpf:"mw_leave_polls"`
 	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
@@ -500,6 +512,7 @@ type accelMapSpecs struct {
 type accelVariableSpecs struct {
 	Accelerate             *ebpf.VariableSpec `ebpf:"accelerate"`
 	InboundCapturePort     *ebpf.VariableSpec `ebpf:"inbound_capture_port"`
+	LeaveClockOwner        *ebpf.VariableSpec `ebpf:"leave_clock_owner"`
 	ObsBoundsNs            *ebpf.VariableSpec `ebpf:"obs_bounds_ns"`
 	Observe                *ebpf.VariableSpec `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.VariableSpec `ebpf:"outbound_capture_port"`
@@ -542,6 +555,8 @@ type accelMaps struct {
 	MwConns       *ebpf.Map `ebpf:"mw_conns"`
 	MwFlows       *ebpf.Map `ebpf:"mw_flows"`
 	MwLearnedAny  *ebpf.Map `ebpf:"mw_learned_any"`
+	MwLeaveClock  *ebpf.Map `ebpf:"mw_leave_clock"`
+	MwLeavePolls  *ebpf.Map `ebpf:"mw_leave_polls"`
 	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
@@ -566,6 +581,8 @@ func (m *accelMaps) Close() error {
 		m.MwConns,
 		m.MwFlows,
 		m.MwLearnedAny,
+		m.MwLeaveClock,
+		m.MwLeavePolls,
 		m.MwPolicy,
 		m.MwPortPolicy,
 		m.MwSkStore,
@@ -588,6 +605,7 @@ func (m *accelMaps) Close() error {
 type accelVariables struct {
 	Accelerate             *ebpf.Variable `ebpf:"accelerate"`
 	InboundCapturePort     *ebpf.Variable `ebpf:"inbound_capture_port"`
+	LeaveClockOwner        *ebpf.Variable `ebpf:"leave_clock_owner"`
 	ObsBoundsNs            *ebpf.Variable `ebpf:"obs_bounds_ns"`
 	Observe                *ebpf.Variable `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.Variable `ebpf:"outbound_capture_port"`

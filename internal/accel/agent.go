@@ -22,6 +22,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -132,11 +133,14 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	}
 	specs.MwSockHash.MaxEntries = cfg.SockhashCapacity
 	specs.MwConns.MaxEntries = cfg.SockhashCapacity
+	specs.MwLeavePolls.MaxEntries = cfg.SockhashCapacity
 	obs, err := obsConstants(&specs.accelVariableSpecs, cfg)
 	if err != nil {
 		return nil, err
 	}
-	if err := setConstants(append(dataPathConstants(&specs.accelVariableSpecs, cfg), obs...)...); err != nil {
+	// This load's programs take the pinned leave timer over at their first pairing (bpf/accel/leave.h).
+	owner := constant{specs.LeaveClockOwner, uint64(time.Now().UnixNano())}
+	if err := setConstants(append(dataPathConstants(&specs.accelVariableSpecs, cfg), append(obs, owner)...)...); err != nil {
 		return nil, err
 	}
 	if rerr := probe.HaveRecvTracepoint(); rerr != nil {
