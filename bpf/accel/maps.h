@@ -59,7 +59,14 @@ MW_PINNED_MAP(BPF_MAP_TYPE_HASH, MW_DEFAULT_CAPACITY, struct mw_conn_id, struct 
  * freed through RCU, and on 6.18 each such free costs an interrupt
  * (docs/BENCHMARKS.md section 29).
  */
-MW_PINNED_MAP(BPF_MAP_TYPE_HASH, MW_DEFAULT_CAPACITY, struct mw_conn_id, __u32) mw_leave_polls SEC(".maps");
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC); /* memory only for switched connections (few) */
+	__uint(max_entries, MW_DEFAULT_CAPACITY);
+	__type(key, struct mw_conn_id);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_leave_polls SEC(".maps");
 MW_PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct mw_leave_clock) mw_leave_clock SEC(".maps");
 /* Set by the loader, different for every load: the load whose callback the timer runs. */
 const volatile __u64 leave_clock_owner;

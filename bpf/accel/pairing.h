@@ -48,8 +48,7 @@
  * ACK was lost). An active socket whose peer never comes and that sends and
  * receives nothing stays in the hash until it closes: with nothing queued,
  * tcp_bpf answers every call as TCP does. That is the price of no timer
- * started per connection (the leave poll's timer is created at pairing and
- * started only by a switch: leave.h).
+ * per connection (the leave poll has one timer for the node: leave.h).
  */
 #ifndef MESHWARP_PAIRING_H
 #define MESHWARP_PAIRING_H
