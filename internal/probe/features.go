@@ -137,7 +137,8 @@ var helpers = []struct {
 }{
 	{ebpf.SockOps, "sock_ops", asm.FnSockHashUpdate, "bpf_sock_hash_update", "adds sockets to the SOCKHASH", configSockMsg},
 	{ebpf.SockOps, "sock_ops", asm.FnSkStorageGet, "bpf_sk_storage_get", "per-socket pairing state", configCgroup},
-	{ebpf.SockOps, "sock_ops", asm.FnTimerInit, "bpf_timer_init", "bounds how long a socket waits unpaired (Linux 5.15)", configCgroup},
+	{ebpf.SockOps, "sock_ops", asm.FnTimerInit, "bpf_timer_init", "the leave poll's timer: switched sockets leave the SOCKHASH (Linux 5.15)", configCgroup},
+	{ebpf.SockOps, "sock_ops", asm.FnForEachMapElem, "bpf_for_each_map_elem", "the leave poll walks the switched connections (Linux 5.13)", configCgroup},
 	{ebpf.SockOps, "sock_ops", asm.FnMapDeleteElem, "bpf_map_delete_elem", "takes unpaired sockets out of the SOCKHASH", configCgroup},
 	{ebpf.SockOps, "sock_ops", asm.FnGetSocketCookie, "bpf_get_socket_cookie", "per-connection identity", configCgroup},
 	{ebpf.SockOps, "sock_ops", asm.FnSockOpsCbFlagsSet, "bpf_sock_ops_cb_flags_set", "state-change callbacks (close)", configCgroup},
