@@ -170,41 +170,53 @@ static __always_inline __u32 peer_backlog(__u64 peer_sk)
 	return peer_sk ? redirect_backlog((struct sock *)peer_sk) : 0;
 }
 
-/* tcp_mem[1] (pages) as last read, and when (coarse clock): the sysctl rarely changes. */
+/* tcp_mem[0] and [1] (pages) as last read, and when (coarse clock): the sysctl rarely changes. */
 #define MW_TCP_MEM_REREAD_NS (100 * 1000 * 1000ULL)
+static long tcp_mem_low_pages;
 static long tcp_mem_pressure_pages;
 static __u64 tcp_mem_read_ns;
 
 /*
- * Whether the node's TCP memory, with size more bytes and the per-CPU
- * reserves it may not show yet (tcp_mem_slack_pages), reaches its pressure
- * threshold (tcp_mem[1], in pages). Beyond it the redirect's receive charge
- * (bpf_tcp_ingress: __sk_rmem_schedule) may fail, and the writer would get
- * ENOMEM where TCP makes it wait; below it the charge cannot fail. All TCP
+ * Whether the redirect's receive charge (bpf_tcp_ingress: sk_wmem_schedule
+ * on the receiver) may fail with size more bytes, where TCP would make the
+ * writer wait: the writer would get ENOMEM. __sk_mem_raise_allocated grants
+ * every charge while the node's TCP memory, with the per-CPU reserves it
+ * may not show yet (tcp_mem_slack_pages), is at most tcp_mem[0]; from
+ * tcp_mem[1] on it may refuse; in between it may refuse while the node is
+ * in TCP memory pressure (the flag set when the memory crossed tcp_mem[1],
+ * or an allocation failed, and cleared only under tcp_mem[0]). All TCP
  * sockets share one account (tcp_prot and tcpv6_prot alike), read here
  * through the writer's own socket: BTF loads, no helper calls, on the
- * per-message path.
+ * per-message path; the flag is read only above tcp_mem[0].
  */
 static __always_inline bool tcp_memory_tight(struct bpf_sock *sk, __u32 size, __u64 now)
 {
 	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	unsigned long *pressure, flag = 0;
+	long *limits, limit[2], pages;
 	struct proto *prot;
-	long *limits, limit;
 
 	if (!tp)
 		return false;
 	prot = tp->inet_conn.icsk_inet.sk.__sk_common.skc_prot;
 	if (now - tcp_mem_read_ns > MW_TCP_MEM_REREAD_NS) {
 		limits = BPF_CORE_READ(prot, sysctl_mem);
-		if (limits && !bpf_core_read(&limit, sizeof(limit), &limits[1])) {
-			tcp_mem_pressure_pages = limit;
+		if (limits && !bpf_core_read(limit, sizeof(limit), limits)) {
+			tcp_mem_low_pages = limit[0];
+			tcp_mem_pressure_pages = limit[1];
 			tcp_mem_read_ns = now;
 		}
 	}
 	if (!tcp_mem_pressure_pages)
 		return false;
 	/* size in 4 KiB pages: an overestimate where pages are larger */
-	return prot->memory_allocated->counter + (size >> 12) + 1 + tcp_mem_slack_pages >= tcp_mem_pressure_pages;
+	pages = prot->memory_allocated->counter + (size >> 12) + 1 + tcp_mem_slack_pages;
+	if (pages >= tcp_mem_pressure_pages)
+		return true;
+	if (pages <= tcp_mem_low_pages)
+		return false;
+	pressure = BPF_CORE_READ(prot, memory_pressure);
+	return pressure && !bpf_core_read(&flag, sizeof(flag), pressure) && flag;
 }
 
 /* dir[] index of a role. */
