@@ -135,9 +135,10 @@ static __always_inline void quiet_switch(struct mw_sk_state *st, struct mw_conn 
  * close. sock_ops creates the timer at a pairing, once per load of the
  * programs (only sock_ops and its timer callbacks may delete from a
  * SOCKHASH: sk_msg may start the timer, not create it); the switch starts
- * it; it re-arms itself while the list is not empty. The timer holds its
- * program, so the poll works after the agent is uninstalled too, when no
- * sock_ops callback runs any more.
+ * it; it re-arms itself while the list is not empty. The poll ends with
+ * the agent: the kernel cancels a map's timers once no file descriptor or
+ * pin holds it, so a connection that switches after an uninstall keeps its
+ * sockets in the hash until it closes (docs/ARCHITECTURE.md, "Leaving").
  */
 #define MW_LEAVE_POLL_NS (20 * 1000 * 1000ULL)
 
