@@ -187,6 +187,18 @@ static __always_inline void poll_leave(const struct mw_conn_id *id)
 	arm_leave_clock(clock);
 }
 
+/* A socket of a connection gone to TCP left mw_sock_hash (either way: at a packet or by the poll). */
+static __always_inline void count_left(enum mw_reason reason)
+{
+	struct mw_counters *cnt = counters();
+
+	if (!cnt)
+		return;
+	cnt->sockets_left++;
+	if (reason < MW_REASON_MAX)
+		cnt->sockets_removed[reason]++;
+}
+
 /*
  * HDR_OPT_LEN_CB (the socket sends a TCP packet) and PARSE_HDR_OPT_CB (it
  * received one; the callback runs before the segment's bytes are queued). A
@@ -210,10 +222,9 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 {
 	struct mw_sk_state *st = pair_state(sk, false);
 	struct mw_sock_key key;
-	struct mw_counters *cnt;
 	struct tcp_sock *tp;
 	struct mw_conn *c;
-	__u32 me, reason;
+	__u32 me;
 
 	if (!st || st->left || !st->role)
 		goto done;
@@ -244,15 +255,9 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 	    !own_dir_drained(c, me, (struct sock *)tp, receiving ? 1 : 2))
 		return;
 	c->dir[me] = MW_DIR_DRAINED;
-	reason = c->to_tcp_reason;
-	if (bpf_map_delete_elem(&mw_sock_hash, &key) == 0) {
-		cnt = counters();
-		if (cnt) {
-			cnt->sockets_left++;
-			if (reason < MW_REASON_MAX)
-				cnt->sockets_removed[reason]++;
-		}
-	}
+	/* Fails where the leave poll took it out first: counted there. */
+	if (bpf_map_delete_elem(&mw_sock_hash, &key) == 0)
+		count_left(c->to_tcp_reason);
 	st->left = 1;
 	st->paired = 0;
 done:
@@ -271,7 +276,15 @@ static __always_inline bool leave_by_timer(const struct mw_conn_id *id, struct m
 	    !own_dir_drained(c, me, (struct sock *)self, 1))
 		return false;
 	c->dir[me & 1] = MW_DIR_DRAINED;
-	bpf_map_delete_elem(&mw_sock_hash, &key);
+	/*
+	 * Counted here, where it leaves; the socket's own state is not
+	 * reachable from the timer: left_by_poll keeps on_close from counting
+	 * it closed too (its next packet finds it out and counts nothing).
+	 */
+	if (bpf_map_delete_elem(&mw_sock_hash, &key) == 0) {
+		__sync_fetch_and_or(&c->left_by_poll, 1u << (me & 1));
+		count_left(c->to_tcp_reason);
+	}
 	return true;
 }
 
@@ -304,6 +317,22 @@ static int on_leave_clock(void *map, __u32 *key, struct mw_leave_clock *clock)
 	return 0;
 }
 
+/*
+ * A passive socket closing after its active side (so no mw_conns entry to
+ * ask), still marked paired: out of mw_sock_hash while its application
+ * still holds it (no psock, not orphaned: close() unlinks it first, then
+ * orphans it) means the leave poll took it out (a reset closes it without
+ * a packet that would have settled its state). Not seen: one poll-removed,
+ * then closed by its application, then reset before any packet (counted
+ * closed as well).
+ */
+static __always_inline bool left_by_poll(struct bpf_sock *sk)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+
+	return tp && !psock_of((struct sock *)tp) && tp->inet_conn.icsk_inet.sk.sk_socket;
+}
+
 static __always_inline void on_close(struct bpf_sock *sk)
 {
 	struct mw_sk_state *st = pair_state(sk, false);
@@ -321,19 +350,24 @@ static __always_inline void on_close(struct bpf_sock *sk)
 		/* The active side may never have sent, so it may not know yet. */
 		if (c && c->state == MW_CONN_PAIRED && !st->left)
 			was_paired = true;
+		if (c && (c->left_by_poll & 1))
+			was_paired = false; /* counted as left */
 		if (c)
 			obs_conn_end(sk, c, MW_ROLE_ACTIVE);
-		/* Deleting the entry also cancels its timer. */
 		bpf_map_delete_elem(&mw_conns, &id);
 		st->owns_conn = 0;
 	} else if (st->role == MW_ROLE_PASSIVE && st->peer.role == MW_ROLE_ACTIVE) {
 		/* Still there if the active side has not closed (it gave us its last bytes then). */
 		struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
 
+		if (c && (c->left_by_poll & 2))
+			was_paired = false; /* counted as left */
 		if (c)
 			obs_conn_end(sk, c, MW_ROLE_PASSIVE);
 		else if (was_paired)
 			obs_passive_end(sk);
+		if (!c && was_paired && left_by_poll(sk))
+			was_paired = false;
 	}
 	if (was_paired) {
 		cnt = counters();

@@ -7,8 +7,11 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"runtime"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -381,15 +384,22 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 // A writer far ahead of its reader moves to TCP with redirected bytes still
 // unread (backpressure), and then stops. A reader that reads only what
 // FIONREAD reports (Java's available()) still gets every byte: once it has
-// read the redirected ones, its socket leaves the SOCKHASH (the
-// connection's timer re-runs the leave check when no packet comes), and
-// FIONREAD counts the TCP queue again.
+// read the redirected ones, its socket leaves the SOCKHASH (the node's
+// leave poll re-runs the leave check when no packet comes), and FIONREAD
+// counts the TCP queue again. Each socket is counted once, as left, however
+// it left (at a packet or by the poll): not again at its next packet nor at
+// its close, which would take a still paired connection (the witness) out
+// of accelerated_sockets.
 func TestPrivilegedBackpressureFIONREADReader(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	forEachAgent(t, func(t *testing.T, a *Agent) {
 		ln := mustListen(t, "127.0.0.1:0")
 		defer ln.Close()
-		client, server := pairedConn(t, a, ln, func() (net.Conn, error) { return net.Dial("tcp", ln.Addr().String()) })
+		dial := func() (net.Conn, error) { return net.Dial("tcp", ln.Addr().String()) }
+		witnessClient, witnessServer := pairedConn(t, a, ln, dial)
+		defer witnessClient.Close()
+		defer witnessServer.Close()
+		client, server := pairedConn(t, a, ln, dial)
 		var before Stats
 		if a != nil {
 			before = stats(t, a)
@@ -434,7 +444,132 @@ func TestPrivilegedBackpressureFIONREADReader(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
+		if a != nil {
+			waitFor(t, "both sockets to leave the SOCKHASH", func() bool {
+				return !inSockhash(t, a, client) && !inSockhash(t, a, server)
+			})
+			requireSocketCounts(t, a, before, 2, 2)
+		}
+		// Packets both ways after the leave, then the close.
+		requireFIONREADCounts(t, up, &streamDir{w: server, r: client})
+		client.Close()
+		server.Close()
+		waitTCPClosed(t, client)
+		if a != nil {
+			requireSocketCounts(t, a, before, 2, 2)
+		}
 	})
+}
+
+// A writer goes to TCP (backpressure) with a last one-byte write, and
+// stops; its reader then reads everything. Neither socket gets a packet
+// after that: the leave poll takes both out of the SOCKHASH. They are
+// counted as left there, once: not again at their next packet nor at their
+// close, by FIN or by a reset (the witness, a connection still paired,
+// stays counted as accelerated).
+func TestPrivilegedLeavePollCountsOnce(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	for _, reset := range []bool{false, true} {
+		t.Run(map[bool]string{false: "fin", true: "reset"}[reset], func(t *testing.T) { leavePollCountsOnce(t, reset) })
+	}
+}
+
+func leavePollCountsOnce(t *testing.T, reset bool) {
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		ln := mustListen(t, "127.0.0.1:0")
+		defer ln.Close()
+		dial := func() (net.Conn, error) { return net.Dial("tcp", ln.Addr().String()) }
+		witnessClient, witnessServer := pairedConn(t, a, ln, dial)
+		defer witnessClient.Close()
+		defer witnessServer.Close()
+		client, server := pairedConn(t, a, ln, dial)
+		var before Stats
+		if a != nil {
+			before = stats(t, a)
+		}
+		up := &streamDir{w: client, r: server}
+		// Unread writes up to the redirect budget, then one byte more, which
+		// goes to TCP (backpressure): a segment of one byte, whose ACK and
+		// read move no window.
+		if err := up.send(DefaultRedirectBudget>>16, func(int) int { return 64 << 10 }); err != nil {
+			t.Fatal(err)
+		}
+		if err := up.send(1, func(int) int { return 1 }); err != nil {
+			t.Fatal(err)
+		}
+		switched := func() bool { return stats(t, a).Sub(before).PassthroughConnections["backpressure"] > 0 }
+		if a != nil && !switched() {
+			t.Fatal("the connection never went to TCP: the test would not exercise the leave")
+		}
+		if err := up.recv(up.written, false, false); err != nil {
+			t.Fatal(err)
+		}
+		if a != nil {
+			waitFor(t, "both sockets to leave the SOCKHASH", func() bool {
+				return !inSockhash(t, a, client) && !inSockhash(t, a, server)
+			})
+			requireSocketCounts(t, a, before, 2, 2)
+		}
+		if reset {
+			// SO_LINGER 0: the client's close sends a reset.
+			if err := client.(*net.TCPConn).SetLinger(0); err != nil {
+				t.Fatal(err)
+			}
+			client.Close()
+			waitTCPClosed(t, client)
+			server.Close()
+		} else {
+			client.Close()
+			server.Close()
+			waitTCPClosed(t, client)
+		}
+		if a != nil {
+			requireSocketCounts(t, a, before, 2, 2)
+		}
+	})
+}
+
+// requireSocketCounts requires left sockets since before, and the
+// accelerated_sockets gauge, to be exactly what the test made.
+func requireSocketCounts(t *testing.T, a *Agent, before Stats, left, accelerated uint64) {
+	t.Helper()
+	d := stats(t, a).Sub(before)
+	if d.LeftSockets != left || d.AcceleratedSockets != accelerated {
+		t.Fatalf("counters: left sockets %d (want %d), accelerated sockets %d (want %d)",
+			d.LeftSockets, left, d.AcceleratedSockets, accelerated)
+	}
+}
+
+// waitTCPClosed polls /proc/net/tcp until both sockets of c's connection
+// have reached CLOSE (gone, or TIME_WAIT): every state callback of its close
+// has run.
+func waitTCPClosed(t *testing.T, c net.Conn) {
+	t.Helper()
+	l, r := c.LocalAddr().(*net.TCPAddr).Port, c.RemoteAddr().(*net.TCPAddr).Port
+	waitFor(t, "the connection to close", func() bool {
+		raw, err := os.ReadFile("/proc/net/tcp")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(string(raw), "\n")[1:] {
+			f := strings.Fields(line)
+			if len(f) < 4 || f[3] == "06" { // TIME_WAIT
+				continue
+			}
+			lp, rp := hexPort(f[1]), hexPort(f[2])
+			if (lp == l && rp == r) || (lp == r && rp == l) {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// hexPort is the port of a /proc/net/tcp address (ADDR:PORT in hex).
+func hexPort(addr string) int {
+	_, p, _ := strings.Cut(addr, ":")
+	n, _ := strconv.ParseInt(p, 16, 32)
+	return int(n)
 }
 
 // A download: a request, then a response far beyond the redirect budget
