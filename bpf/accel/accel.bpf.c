@@ -5,9 +5,10 @@
  *
  * Attach points: mw_sockops on a cgroup v2 directory (BPF_CGROUP_SOCK_OPS),
  * mw_skmsg on mw_sock_hash (BPF_SK_MSG_VERDICT), mw_skmsg_tap in its place
- * while a tap runs; the programs of hints.h (mw_syn_in), learning.h
- * (mw_sock_create, mw_post_bind4/6, mw_setsockopt, the syscall watches),
- * observe_skb.h and fin_order.h (see there).
+ * while a tap runs; mw_egress and mw_ingress (or their _obs variants) on
+ * the cgroup (fin_order.h, hints.h, observe_skb.h); the programs of
+ * learning.h (mw_sock_create, mw_post_bind4/6, mw_setsockopt, the syscall
+ * watches) and observe_skb.h's mw_obs_recv.
  * Kernel: >= 6.1 (BPF atomics (5.12), bpf_timer (5.15), sk_storage in sk_msg,
  * bpf_skc_to_tcp_sock in sock_ops; sockmap links from 6.10, else
  * BPF_PROG_ATTACH: internal/probe decides per feature).
@@ -28,16 +29,16 @@
  *   sock.h         reading sockets and contexts, sock_ops callback flags
  *   observe.h      observation in sock_ops and sk_msg; observe_skb.h its
  *                  cgroup_skb and tp_btf programs
- *   hints.h        pairing step 0: who has a local peer (mw_syn_in)
+ *   hints.h        pairing step 0: who has a local peer (mw_ingress)
  *   pairing.h      pairing steps 1 and 2 (sock_ops ESTABLISHED)
  *   leave.h        leaving mw_sock_hash for TCP, and the close
  *   tap.h          what mw_skmsg_tap records
  *   redirect.h     the sk_msg decision and redirect
  *   learning.h     mw_sock_create, mw_post_bind4/6, mw_setsockopt, the
  *                  syscall watches
- *   fin_order.h    mw_fin_order: a FIN waits for its socket's redirect in flight
+ *   fin_order.h    mw_egress: a FIN waits for its socket's redirect in flight
  * This file declares the programs that tie them together: mw_sockops,
- * mw_skmsg and mw_skmsg_tap.
+ * mw_egress(_obs), mw_ingress(_obs), mw_skmsg and mw_skmsg_tap.
  */
 #include "vmlinux.h"
 #include "bpf_helpers.h"
@@ -113,6 +114,46 @@ int mw_sockops(struct bpf_sock_ops *skops)
 			obs_end(sk, old_state);
 		break;
 	}
+	return 1;
+}
+
+/*
+ * The agent's cgroup, each way one program for every segment (each
+ * attached program costs every packet its own run): the FIN order
+ * (fin_order.h) and the SYN notes (hints.h), and with observation
+ * (`run --observe`, the default) the segments' observation
+ * (observe_skb.h) in the same run: the _obs variants replace the others
+ * in place (pinned mw_fin_link, mw_syn_link).
+ */
+SEC("cgroup_skb/egress")
+int mw_egress(struct __sk_buff *skb)
+{
+	return fin_order(skb);
+}
+
+SEC("cgroup_skb/egress")
+int mw_egress_obs(struct __sk_buff *skb)
+{
+	int verdict = fin_order(skb);
+
+	obs_skb(skb, true);
+	return verdict;
+}
+
+SEC("cgroup_skb/ingress")
+int mw_ingress(struct __sk_buff *skb)
+{
+	if (accelerate)
+		syn_note(skb);
+	return 1;
+}
+
+SEC("cgroup_skb/ingress")
+int mw_ingress_obs(struct __sk_buff *skb)
+{
+	if (accelerate)
+		syn_note(skb);
+	obs_skb(skb, false);
 	return 1;
 }
 

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
- * mw_fin_order: cgroup_skb/egress on the agent's cgroup, attached with the
- * data path (pinned mw_fin_link). It keeps a FIN behind its socket's own
- * redirected bytes.
+ * The FIN order: the first part of mw_egress (cgroup_skb/egress on the
+ * agent's cgroup, attached with the data path: accel.bpf.c). It keeps a
+ * FIN behind its socket's own redirected bytes.
  *
  * tcp_bpf_send_verdict drops the writer's socket lock before it enqueues a
  * redirected message into the peer (bpf_tcp_ingress). A shutdown(SHUT_WR)
@@ -33,8 +33,8 @@ static __always_inline __u8 tcp_flags_of(struct __sk_buff *skb)
 	return tcp ? tcp[13] : 0;
 }
 
-SEC("cgroup_skb/egress")
-int mw_fin_order(struct __sk_buff *skb)
+/* 0: hold this FIN back (drop it; TCP sends it again). */
+static __always_inline int fin_order(struct __sk_buff *skb)
 {
 	struct bpf_sock *sk = skb->sk;
 	struct mw_sk_state *st;

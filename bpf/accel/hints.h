@@ -38,12 +38,11 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops, struct bpf_so
 }
 
 /*
- * Step 0: a SYN reaches a listener of the cgroup (its socket filter runs
- * before the listener answers). Every other segment leaves after a look at
- * the TCP flags.
+ * Step 0: a SYN reaches a listener of the cgroup (mw_ingress, accel.bpf.c:
+ * its socket filter runs before the listener answers). Every other segment
+ * leaves after a look at the TCP flags.
  */
-SEC("cgroup_skb/ingress")
-int mw_syn_in(struct __sk_buff *skb)
+static __always_inline void syn_note(struct __sk_buff *skb)
 {
 	void *data = (void *)(long)skb->data, *data_end = (void *)(long)skb->data_end;
 	struct mw_syn_id id = {};
@@ -53,11 +52,11 @@ int mw_syn_in(struct __sk_buff *skb)
 	bool v6;
 
 	if (!tcp || (tcp[13] & (MW_TCP_SYN | MW_TCP_ACK)) != MW_TCP_SYN || data + 40 > data_end)
-		return 1;
+		return;
 	/* The hook runs for every protocol: TCP only (IPv4 protocol, IPv6 next header). */
 	v6 = *(__u8 *)data >> 4 == 6;
 	if (*(__u8 *)(data + (v6 ? 6 : 9)) != IPPROTO_TCP)
-		return 1;
+		return;
 	if (v6)
 		__builtin_memcpy(id.addr, data + 8, sizeof(id.addr));
 	else
@@ -66,7 +65,6 @@ int mw_syn_in(struct __sk_buff *skb)
 	c = bpf_map_lookup_elem(&mw_connecting, &id);
 	if (c && bpf_ktime_get_ns() - c->connect_ns < MW_CONNECT_TTL_NS)
 		c->received_ns = bpf_ktime_get_ns();
-	return 1;
 }
 
 /*

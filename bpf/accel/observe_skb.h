@@ -1,12 +1,12 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
  * Observation of what sock_ops and sk_msg do not see (observe.h has the
- * rest): cgroup_skb egress and ingress on the agent's cgroup (mw_obs_egress,
- * mw_obs_ingress) look at every other connection's segments, and
- * tp_btf/sock_recv_length (mw_obs_recv) at a client application's first read
- * of its response. Attached only with `run --observe` (and the read
- * tracepoint by `meshwarp trace` while it samples). They never change a
- * packet's fate.
+ * rest): the second part of the cgroup_skb programs on the agent's cgroup
+ * (mw_egress_obs, mw_ingress_obs in accel.bpf.c, attached in place of
+ * mw_egress and mw_ingress with `run --observe`) looks at every other
+ * connection's segments, and tp_btf/sock_recv_length (mw_obs_recv) at a
+ * client application's first read of its response (attached by `meshwarp
+ * trace` while it samples). They never change a packet's fate.
  */
 #ifndef MESHWARP_OBSERVE_SKB_H
 #define MESHWARP_OBSERVE_SKB_H
@@ -55,7 +55,7 @@ static __always_inline bool seq_after(__u32 a, __u32 b)
  * before it leaves the socket, at ingress before TCP takes it). skb->data is
  * the network header in both directions.
  */
-static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
+static __always_inline void obs_skb(struct __sk_buff *skb, bool egress)
 {
 	__u32 kind = MW_HTTP_NONE, method = MW_METHOD_OTHER, status = 0;
 	struct mw_flow_key k = {};
@@ -69,39 +69,39 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 
 	/* Pure ACKs first out: 20 B IPv4 + 32 B TCP with timestamps carry no payload. */
 	if (skb->len <= 52)
-		return 1;
+		return;
 	sk = skb->sk;
 	if (!sk)
-		return 1;
+		return;
 	sk = bpf_sk_fullsock(sk);
 	if (!sk || sk->protocol != IPPROTO_TCP)
-		return 1;
+		return;
 	o = obs_state(sk, false);
 	if (o && !o->started)
 		o = NULL; /* a record without observation (created with the socket) */
 	if (o && !o->start_ns)
-		return 1; /* its end was recorded */
+		return; /* its end was recorded */
 	/*
 	 * The headers are in the linear part (direct reads); the payload may
 	 * be in page fragments (bpf_skb_load_bytes).
 	 */
 	tcp = skb_tcp_header(skb, &off);
 	if (!tcp)
-		return 1;
+		return;
 	seq = *(__u32 *)(tcp + 4);
 	doff = *(__u8 *)(tcp + 12);
 	off += (doff >> 4) * 4;
 	if (skb->len <= off)
-		return 1;
+		return;
 	len = skb->len - off;
 	if (!o) {
 		/* Unknown socket: only a request makes it known. */
 		if (len < MW_OBS_PEEK || bpf_skb_load_bytes(skb, off, buf, MW_OBS_PEEK) ||
 		    http_start(buf, &method, &status) != MW_HTTP_REQUEST)
-			return 1;
+			return;
 		o = obs_late(skb, sk, egress, bpf_ktime_get_ns());
 		if (!o)
-			return 1;
+			return;
 		kind = MW_HTTP_REQUEST;
 	}
 	seq = bpf_ntohl(seq);
@@ -109,7 +109,7 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 	/* Seen already (a retransmission): neither its bytes nor its start count twice. */
 	if (o->seq_set & (egress ? 1 : 2)) {
 		if (!seq_after(end, egress ? o->snd_next : o->rcv_next))
-			return 1;
+			return;
 	}
 	o->seq_set |= egress ? 1 : 2;
 	if (egress)
@@ -136,19 +136,6 @@ static __always_inline int obs_skb(struct __sk_buff *skb, bool egress)
 	o->bytes += len;
 	if (flush_due(o, now))
 		obs_flush(o, now);
-	return 1;
-}
-
-SEC("cgroup_skb/egress")
-int mw_obs_egress(struct __sk_buff *skb)
-{
-	return obs_skb(skb, true);
-}
-
-SEC("cgroup_skb/ingress")
-int mw_obs_ingress(struct __sk_buff *skb)
-{
-	return obs_skb(skb, false);
 }
 
 #define MW_MSG_PEEK 2

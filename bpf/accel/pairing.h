@@ -9,7 +9,7 @@
  * How a connection is paired (once, never changed):
  *   0. a socket of the cgroup connects (TCP_CONNECT_CB): note its SYN by
  *      source address and sequence number in mw_connecting; a listener of
- *      the cgroup receives a SYN (mw_syn_in): mark its note received. No
+ *      the cgroup receives a SYN (mw_ingress): mark its note received. No
  *      note received means no local peer in the cgroup (a remote host, a
  *      server outside the cgroup): such sockets never join mw_sock_hash.
  *      The notes only decide who joins; the pairing is proven in step 2.

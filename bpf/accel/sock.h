@@ -5,7 +5,7 @@
  * socket's psock (the redirect queue, through CO-RE), the sock_ops
  * callbacks a socket asks for, and where a cgroup_skb segment's TCP header
  * is. Attaches to nothing; pairing, the redirect, observation, the tap,
- * learning and mw_fin_order use it.
+ * learning and the FIN order use it.
  */
 #ifndef MESHWARP_SOCK_H
 #define MESHWARP_SOCK_H

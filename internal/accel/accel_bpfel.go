@@ -372,9 +372,10 @@ const (
 	accelMapMwUnfitProgs           = "mw_unfit_progs"
 	accelMapMwUnfitRport           = "mw_unfit_rport"
 	accelMapMwUnhinted             = "mw_unhinted"
-	accelProgMwFinOrder            = "mw_fin_order"
-	accelProgMwObsEgress           = "mw_obs_egress"
-	accelProgMwObsIngress          = "mw_obs_ingress"
+	accelProgMwEgress              = "mw_egress"
+	accelProgMwEgressObs           = "mw_egress_obs"
+	accelProgMwIngress             = "mw_ingress"
+	accelProgMwIngressObs          = "mw_ingress_obs"
 	accelProgMwObsRecv             = "mw_obs_recv"
 	accelProgMwPostBind4           = "mw_post_bind4"
 	accelProgMwPostBind6           = "mw_post_bind6"
@@ -383,7 +384,6 @@ const (
 	accelProgMwSkmsgTap            = "mw_skmsg_tap"
 	accelProgMwSockCreate          = "mw_sock_create"
 	accelProgMwSockops             = "mw_sockops"
-	accelProgMwSynIn               = "mw_syn_in"
 	accelProgMwSysClose            = "mw_sys_close"
 	accelProgMwSysConnect          = "mw_sys_connect"
 	accelProgMwSysIoctl            = "mw_sys_ioctl"
@@ -454,9 +454,10 @@ type accelSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelProgramSpecs struct {
-	MwFinOrder    *ebpf.ProgramSpec `ebpf:"mw_fin_order"`
-	MwObsEgress   *ebpf.ProgramSpec `ebpf:"mw_obs_egress"`
-	MwObsIngress  *ebpf.ProgramSpec `ebpf:"mw_obs_ingress"`
+	MwEgress      *ebpf.ProgramSpec `ebpf:"mw_egress"`
+	MwEgressObs   *ebpf.ProgramSpec `ebpf:"mw_egress_obs"`
+	MwIngress     *ebpf.ProgramSpec `ebpf:"mw_ingress"`
+	MwIngressObs  *ebpf.ProgramSpec `ebpf:"mw_ingress_obs"`
 	MwObsRecv     *ebpf.ProgramSpec `ebpf:"mw_obs_recv"`
 	MwPostBind4   *ebpf.ProgramSpec `ebpf:"mw_post_bind4"`
 	MwPostBind6   *ebpf.ProgramSpec `ebpf:"mw_post_bind6"`
@@ -465,7 +466,6 @@ type accelProgramSpecs struct {
 	MwSkmsgTap    *ebpf.ProgramSpec `ebpf:"mw_skmsg_tap"`
 	MwSockCreate  *ebpf.ProgramSpec `ebpf:"mw_sock_create"`
 	MwSockops     *ebpf.ProgramSpec `ebpf:"mw_sockops"`
-	MwSynIn       *ebpf.ProgramSpec `ebpf:"mw_syn_in"`
 	MwSysClose    *ebpf.ProgramSpec `ebpf:"mw_sys_close"`
 	MwSysConnect  *ebpf.ProgramSpec `ebpf:"mw_sys_connect"`
 	MwSysIoctl    *ebpf.ProgramSpec `ebpf:"mw_sys_ioctl"`
@@ -625,9 +625,10 @@ type accelVariables struct {
 //
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelPrograms struct {
-	MwFinOrder    *ebpf.Program `ebpf:"mw_fin_order"`
-	MwObsEgress   *ebpf.Program `ebpf:"mw_obs_egress"`
-	MwObsIngress  *ebpf.Program `ebpf:"mw_obs_ingress"`
+	MwEgress      *ebpf.Program `ebpf:"mw_egress"`
+	MwEgressObs   *ebpf.Program `ebpf:"mw_egress_obs"`
+	MwIngress     *ebpf.Program `ebpf:"mw_ingress"`
+	MwIngressObs  *ebpf.Program `ebpf:"mw_ingress_obs"`
 	MwObsRecv     *ebpf.Program `ebpf:"mw_obs_recv"`
 	MwPostBind4   *ebpf.Program `ebpf:"mw_post_bind4"`
 	MwPostBind6   *ebpf.Program `ebpf:"mw_post_bind6"`
@@ -636,7 +637,6 @@ type accelPrograms struct {
 	MwSkmsgTap    *ebpf.Program `ebpf:"mw_skmsg_tap"`
 	MwSockCreate  *ebpf.Program `ebpf:"mw_sock_create"`
 	MwSockops     *ebpf.Program `ebpf:"mw_sockops"`
-	MwSynIn       *ebpf.Program `ebpf:"mw_syn_in"`
 	MwSysClose    *ebpf.Program `ebpf:"mw_sys_close"`
 	MwSysConnect  *ebpf.Program `ebpf:"mw_sys_connect"`
 	MwSysIoctl    *ebpf.Program `ebpf:"mw_sys_ioctl"`
@@ -651,9 +651,10 @@ type accelPrograms struct {
 
 func (p *accelPrograms) Close() error {
 	return _AccelClose(
-		p.MwFinOrder,
-		p.MwObsEgress,
-		p.MwObsIngress,
+		p.MwEgress,
+		p.MwEgressObs,
+		p.MwIngress,
+		p.MwIngressObs,
 		p.MwObsRecv,
 		p.MwPostBind4,
 		p.MwPostBind6,
@@ -662,7 +663,6 @@ func (p *accelPrograms) Close() error {
 		p.MwSkmsgTap,
 		p.MwSockCreate,
 		p.MwSockops,
-		p.MwSynIn,
 		p.MwSysClose,
 		p.MwSysConnect,
 		p.MwSysIoctl,

@@ -195,7 +195,7 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	}
 
 	// Before sock_ops: a connect it notes must find its SYN seen (hints.h).
-	for _, h := range cgroupHooks(&a.objs) {
+	for _, h := range cgroupHooks(&a.objs, cfg.Observe) {
 		l, err := attachOrUpdate(filepath.Join(cfg.PinDir, h.pin), h.prog, func() (link.Link, error) {
 			return link.AttachCgroup(link.CgroupOptions{Path: cfg.CgroupPath, Attach: h.attach, Program: h.prog})
 		}, func(l link.Link) error { return sameCgroup(l, cfg.CgroupPath) })

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -97,7 +96,7 @@ func ReadPinnedFlows(pinDir string) ([]Flow, error) {
 	if err != nil {
 		return nil, fmt.Errorf("no meshwarp agent is attached at %s (%w): start one with `meshwarp run` (or pass its --pin-dir)", pinDir, errors.Unwrap(err))
 	}
-	if _, err := os.Stat(filepath.Join(pinDir, ObsEgressLinkPin)); err != nil {
+	if obs, err := Observing(pinDir); err != nil || !obs {
 		m.Close()
 		return nil, fmt.Errorf("the meshwarp agent at %s does not observe: restart it without --observe=false", pinDir)
 	}

@@ -22,58 +22,40 @@ const ReadObserverProgram = accelProgMwObsRecv
 // (connect, established, state changes, packets of sockets in the SOCKHASH).
 const SockOpsProgram = accelProgMwSockops
 
-// attachObservation attaches (or adopts) the observation's programs when
-// cfg.Observe, and detaches an earlier agent's otherwise.
+// attachObservation attaches the client read tracepoint when
+// cfg.Observe and cfg.ObserveReads, and detaches an earlier agent's
+// otherwise. The segments' observation runs in the cgroup_skb programs
+// (cgroupHooks), attached before this: an earlier agent's links of it go
+// here (retiredLinkPins).
 func (a *Agent) attachObservation() error {
-	cgroup := func(prog *ebpf.Program, attach ebpf.AttachType) func() (link.Link, error) {
-		return func() (link.Link, error) {
-			return link.AttachCgroup(link.CgroupOptions{Path: a.cfg.CgroupPath, Attach: attach, Program: prog})
+	for _, name := range retiredLinkPins {
+		if err := os.Remove(filepath.Join(a.cfg.PinDir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("detach an earlier agent's observation (%s): %w", name, err)
 		}
 	}
-	sameCg := func(l link.Link) error { return sameCgroup(l, a.cfg.CgroupPath) }
-	progs := []struct {
-		pin    string
-		prog   *ebpf.Program
-		attach func() (link.Link, error)
-		check  func(link.Link) error
-	}{
-		{ObsEgressLinkPin, a.objs.MwObsEgress, cgroup(a.objs.MwObsEgress, ebpf.AttachCGroupInetEgress), sameCg},
-		{ObsIngressLinkPin, a.objs.MwObsIngress, cgroup(a.objs.MwObsIngress, ebpf.AttachCGroupInetIngress), sameCg},
-		{ObsRecvLinkPin, a.objs.MwObsRecv, func() (link.Link, error) {
-			return link.AttachTracing(link.TracingOptions{Program: a.objs.MwObsRecv})
-		}, nil},
+	// A tracing link's program cannot be replaced (BPF_LINK_UPDATE): an
+	// earlier agent's link goes and a new one comes. Only reads in between
+	// are not seen.
+	pin := filepath.Join(a.cfg.PinDir, ObsRecvLinkPin)
+	if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("detach observation (%s): %w", pin, err)
 	}
-	for _, p := range progs {
-		pin := filepath.Join(a.cfg.PinDir, p.pin)
-		if !a.cfg.Observe || (p.pin == ObsRecvLinkPin && !a.cfg.ObserveReads) {
-			if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
-				return fmt.Errorf("detach observation (%s): %w", pin, err)
-			}
-			continue
-		}
-		if p.pin == ObsRecvLinkPin && a.readsOff != nil {
-			a.logger.Warn("observation without the client read time: no tracepoint sock:sock_recv_length here (Linux 6.3)", "err", a.readsOff)
-			continue
-		}
-		if p.pin == ObsRecvLinkPin {
-			// A tracing link's program cannot be replaced (BPF_LINK_UPDATE):
-			// an earlier agent's link goes and a new one comes. Only reads
-			// in between are not seen.
-			if err := os.Remove(pin); err != nil && !errors.Is(err, os.ErrNotExist) {
-				return fmt.Errorf("replace observation link %s: %w", pin, err)
-			}
-		}
-		l, err := attachOrUpdate(pin, p.prog, p.attach, p.check)
-		if err != nil {
-			if p.pin == ObsRecvLinkPin {
-				// Only the client application's own read time is lost (`meshwarp trace`).
-				a.logger.Warn("observation without the client read time (tracepoint sock:sock_recv_length)", "err", err)
-				continue
-			}
-			return fmt.Errorf("attach observation to %s: %w", a.cfg.CgroupPath, err)
-		}
-		a.obs = append(a.obs, l)
+	if !a.cfg.Observe || !a.cfg.ObserveReads {
+		return nil
 	}
+	if a.readsOff != nil {
+		a.logger.Warn("observation without the client read time: no tracepoint sock:sock_recv_length here (Linux 6.3)", "err", a.readsOff)
+		return nil
+	}
+	l, err := attachOrUpdate(pin, a.objs.MwObsRecv, func() (link.Link, error) {
+		return link.AttachTracing(link.TracingOptions{Program: a.objs.MwObsRecv})
+	}, nil)
+	if err != nil {
+		// Only the client application's own read time is lost (`meshwarp trace`).
+		a.logger.Warn("observation without the client read time (tracepoint sock:sock_recv_length)", "err", err)
+		return nil
+	}
+	a.obs = append(a.obs, l)
 	return nil
 }
 

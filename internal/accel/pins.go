@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 
 	"github.com/meshwarp/meshwarp/internal/probe"
@@ -23,21 +24,25 @@ const DefaultPinDir = "/sys/fs/bpf/meshwarp"
 
 // Names of the pinned links under the pin directory.
 const (
-	SockopsLinkPin    = "mw_sockops_link"     // mw_sockops on the cgroup
-	SockoptLinkPin    = "mw_sockopt_link"     // mw_setsockopt on the cgroup
-	FinLinkPin        = "mw_fin_link"         // mw_fin_order on the cgroup
-	SynLinkPin        = "mw_syn_link"         // mw_syn_in on the cgroup
-	ProgLinkPin       = "mw_prog_link"        // mw_sock_create on the cgroup
-	Bind4LinkPin      = "mw_bind4_link"       // mw_post_bind4 on the cgroup
-	Bind6LinkPin      = "mw_bind6_link"       // mw_post_bind6 on the cgroup
-	SkmsgLinkPin      = "mw_skmsg_link"       // mw_skmsg on mw_sock_hash (mw_skmsg_tap while a tap runs)
-	ObsEgressLinkPin  = "mw_obs_egress_link"  // mw_obs_egress on the cgroup (--observe)
-	ObsIngressLinkPin = "mw_obs_ingress_link" // mw_obs_ingress on the cgroup (--observe)
-	ObsRecvLinkPin    = "mw_obs_recv_link"    // mw_obs_recv (Config.ObserveReads)
+	SockopsLinkPin = "mw_sockops_link"  // mw_sockops on the cgroup
+	SockoptLinkPin = "mw_sockopt_link"  // mw_setsockopt on the cgroup
+	EgressLinkPin  = "mw_fin_link"      // mw_egress(_obs) on the cgroup (named for the FIN order, its first job)
+	IngressLinkPin = "mw_syn_link"      // mw_ingress(_obs) on the cgroup (named for the SYN notes, its first job)
+	ProgLinkPin    = "mw_prog_link"     // mw_sock_create on the cgroup
+	Bind4LinkPin   = "mw_bind4_link"    // mw_post_bind4 on the cgroup
+	Bind6LinkPin   = "mw_bind6_link"    // mw_post_bind6 on the cgroup
+	SkmsgLinkPin   = "mw_skmsg_link"    // mw_skmsg on mw_sock_hash (mw_skmsg_tap while a tap runs)
+	ObsRecvLinkPin = "mw_obs_recv_link" // mw_obs_recv (Config.ObserveReads)
 )
 
+// retiredLinkPins are links of earlier agents that this one no longer
+// makes: each cgroup_skb direction had a program of observation beside the
+// data path's, now one program (mw_egress_obs, mw_ingress_obs). Removed at
+// start, after the links above took over their work.
+var retiredLinkPins = []string{"mw_obs_egress_link", "mw_obs_ingress_link"}
+
 // linkPins are every link meshwarp pins, in the order they are removed.
-var linkPins = []string{SockopsLinkPin, SockoptLinkPin, FinLinkPin, SynLinkPin, ProgLinkPin, Bind4LinkPin, Bind6LinkPin, SkmsgLinkPin, ObsEgressLinkPin, ObsIngressLinkPin, ObsRecvLinkPin}
+var linkPins = append([]string{SockopsLinkPin, SockoptLinkPin, EgressLinkPin, IngressLinkPin, ProgLinkPin, Bind4LinkPin, Bind6LinkPin, SkmsgLinkPin, ObsRecvLinkPin}, retiredLinkPins...)
 
 // preparePinDir makes sure dir exists on a bpf filesystem and is writable.
 func preparePinDir(dir string) (created bool, err error) {
@@ -136,13 +141,43 @@ type cgroupHook struct {
 // program of each new socket, recorded before sock_ops reads it, and the
 // SYN notes before any socket may need them (bpf/accel/learning.h,
 // hints.h), setsockopt learning (learning.h), the FIN order (fin_order.h).
-func cgroupHooks(o *accelObjects) []cgroupHook {
+// With observe, the segments' observation runs in the cgroup_skb programs
+// (their _obs variants: one program per packet each way, not two).
+func cgroupHooks(o *accelObjects, observe bool) []cgroupHook {
+	ingress, egress, seen := o.MwIngress, o.MwEgress, ""
+	if observe {
+		ingress, egress, seen = o.MwIngressObs, o.MwEgressObs, ", observation"
+	}
 	return []cgroupHook{
 		{ProgLinkPin, o.MwSockCreate, ebpf.AttachCGroupInetSockCreate, "cgroup sock_create (socket programs)"},
 		{Bind4LinkPin, o.MwPostBind4, ebpf.AttachCGroupInet4PostBind, "cgroup post_bind4 (socket programs)"},
 		{Bind6LinkPin, o.MwPostBind6, ebpf.AttachCGroupInet6PostBind, "cgroup post_bind6 (socket programs)"},
-		{SynLinkPin, o.MwSynIn, ebpf.AttachCGroupInetIngress, "cgroup ingress (SYN notes)"},
+		{IngressLinkPin, ingress, ebpf.AttachCGroupInetIngress, "cgroup ingress (SYN notes" + seen + ")"},
 		{SockoptLinkPin, o.MwSetsockopt, ebpf.AttachCGroupSetsockopt, "cgroup setsockopt"},
-		{FinLinkPin, o.MwFinOrder, ebpf.AttachCGroupInetEgress, "cgroup egress (FIN order)"},
+		{EgressLinkPin, egress, ebpf.AttachCGroupInetEgress, "cgroup egress (FIN order" + seen + ")"},
 	}
+}
+
+// Observing says whether the agent pinned at pinDir observes: its egress
+// link runs mw_egress_obs.
+func Observing(pinDir string) (bool, error) {
+	l, err := link.LoadPinnedLink(filepath.Join(pinDir, EgressLinkPin), nil)
+	if err != nil {
+		return false, err
+	}
+	defer l.Close()
+	info, err := l.Info()
+	if err != nil {
+		return false, err
+	}
+	p, err := ebpf.NewProgramFromID(info.Program)
+	if err != nil {
+		return false, err
+	}
+	defer p.Close()
+	pi, err := p.Info()
+	if err != nil {
+		return false, err
+	}
+	return pi.Name == accelProgMwEgressObs, nil
 }

@@ -291,7 +291,7 @@ func (a *Agent) Stats() (Stats, error) {
 		return s, err
 	}
 	s.LearnedPrograms, err = readLearnedPrograms(a.objs.MwUnfitProgs)
-	for _, p := range []*ebpf.Program{a.objs.MwSockops, a.objs.MwSkmsg, a.objs.MwSetsockopt, a.objs.MwSockCreate, a.objs.MwPostBind4, a.objs.MwPostBind6, a.objs.MwFinOrder, a.objs.MwSynIn, a.objs.MwObsEgress, a.objs.MwObsIngress, a.objs.MwObsRecv,
+	for _, p := range []*ebpf.Program{a.objs.MwSockops, a.objs.MwSkmsg, a.objs.MwSetsockopt, a.objs.MwSockCreate, a.objs.MwPostBind4, a.objs.MwPostBind6, a.objs.MwEgress, a.objs.MwEgressObs, a.objs.MwIngress, a.objs.MwIngressObs, a.objs.MwObsRecv,
 		a.objs.MwSysSplice, a.objs.MwSysRecvfrom, a.objs.MwSysRecvmsg, a.objs.MwSysRecvmmsg, a.objs.MwSysSendto,
 		a.objs.MwSysSendmsg, a.objs.MwSysSendmmsg, a.objs.MwSysClose, a.objs.MwSysConnect, a.objs.MwSysIoctl} {
 		if ps, perr := p.Stats(); perr == nil {

@@ -186,9 +186,8 @@ type traceResult struct {
 // traceWhileBenchRuns waits for the bench's observing agent and fortio's
 // first requests, then runs `meshwarp trace --json` for 2 s.
 func traceWhileBenchRuns(ctx context.Context) traceResult {
-	obs := filepath.Join(bench.DefaultPinDir, accel.ObsEgressLinkPin)
 	for {
-		if _, err := os.Stat(obs); err == nil {
+		if obs, err := accel.Observing(bench.DefaultPinDir); err == nil && obs {
 			break
 		}
 		select {
