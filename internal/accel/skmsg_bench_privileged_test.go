@@ -4,6 +4,9 @@ package accel
 
 import (
 	"fmt"
+	"io"
+	"net"
+	"net/netip"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -67,6 +70,73 @@ func benchSkmsgSizes(b *testing.B, a *Agent) {
 			after, _ := a.objs.MwSkmsg.Stats()
 			if runs := after.RunCount - before.RunCount; runs > 0 {
 				b.ReportMetric(float64((after.Runtime-before.Runtime).Nanoseconds())/float64(runs), "bpf-ns/msg")
+			}
+		})
+	}
+}
+
+// BenchmarkPrivilegedSegmentHooks: what the agent's cgroup_skb programs
+// cost each segment of a connection it does not pair (its address
+// excluded): a loopback ping-pong of 64-byte messages between two sockets
+// of the agent's cgroup, with and without observation. Reported as
+// bpf-ns/segment (the kernel's run-time statistics of the agent's
+// cgroup_skb programs: a segment runs the egress programs at its sender
+// and the ingress ones at its receiver) and segments/rt; ns/op is the
+// round trip (noisy: the program dispatch, which the statistics do not
+// count, shows there only).
+//
+//	go test -run '^$' -bench SegmentHooks -benchtime 200000x ./internal/accel
+func BenchmarkPrivilegedSegmentHooks(b *testing.B) {
+	testutil.RequirePrivileged(b)
+	stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer stats.Close()
+	for _, observe := range []bool{false, true} {
+		b.Run(fmt.Sprintf("observe=%v", observe), func(b *testing.B) {
+			// Both sockets of the test's cgroup (it joins it at the start),
+			// on an address the policy leaves to TCP.
+			a := startAgent(b, Config{Observe: observe, Policy: Policy{ExcludeCIDRs: []netip.Prefix{netip.MustParsePrefix("127.0.0.2/32")}}})
+			ln := mustListen(b, "127.0.0.2:0")
+			defer ln.Close()
+			c, s := acceptedPair(b, ln, dialer(ln.Addr().String()))
+			defer c.Close()
+			defer s.Close()
+			hooks := []*ebpf.Program{a.objs.MwEgress, a.objs.MwEgressObs, a.objs.MwIngress, a.objs.MwIngressObs}
+			egress := []*ebpf.Program{a.objs.MwEgress, a.objs.MwEgressObs}
+			sum := func(progs []*ebpf.Program) (runs uint64, ns int64) {
+				for _, p := range progs {
+					if st, err := p.Stats(); err == nil {
+						runs += st.RunCount
+						ns += st.Runtime.Nanoseconds()
+					}
+				}
+				return runs, ns
+			}
+			buf := make([]byte, 64)
+			echo := func(w, r net.Conn) {
+				if _, err := w.Write(buf); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := io.ReadFull(r, buf); err != nil {
+					b.Fatal(err)
+				}
+			}
+			_, ns0 := sum(hooks)
+			seg0, _ := sum(egress)
+			b.ResetTimer()
+			for range b.N {
+				echo(c, s)
+				echo(s, c)
+			}
+			b.StopTimer()
+			_, ns1 := sum(hooks)
+			seg1, _ := sum(egress)
+			if segs := seg1 - seg0; segs > 0 {
+				b.ReportMetric(float64(ns1-ns0)/float64(segs), "bpf-ns/segment")
+				b.ReportMetric(float64(segs)/float64(b.N), "segments/rt")
+
 			}
 		})
 	}
