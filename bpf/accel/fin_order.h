@@ -46,7 +46,7 @@ static __always_inline int fin_order(struct __sk_buff *skb)
 	if (!sk || sk->protocol != IPPROTO_TCP)
 		return 1;
 	st = pair_state(sk, false);
-	if (!st || !st->redir_ns || bpf_ktime_get_coarse_ns() - st->redir_ns > MW_FIN_HOLD_NS)
+	if (!st || !st->redir_ns || coarse_ns() - st->redir_ns > MW_FIN_HOLD_NS)
 		return 1;
 	tp = bpf_skc_to_tcp_sock(sk);
 	if (!tp || psock_refs((struct sock *)tp) <= 1)

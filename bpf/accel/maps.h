@@ -220,4 +220,26 @@ static __always_inline void keep_off(__u32 reason)
 	}
 }
 
+/*
+ * bpf_ktime_get_coarse_ns() as of the current tick, read once per tick for
+ * the node. The coarse clock only moves with the tick (jiffies), and
+ * bpf_jiffies64 is inlined into one load, while a helper call costs each
+ * message and segment about 10 % of mw_skmsg on CPUs whose returns are
+ * mitigated (docs/BENCHMARKS.md section 30). Racing writers store the same
+ * values; a reader may get the previous tick's time: coarse all the same.
+ */
+static __u64 clock_jiffies;
+static __u64 clock_coarse_ns;
+
+static __always_inline __u64 coarse_ns(void)
+{
+	__u64 j = bpf_jiffies64();
+
+	if (j != clock_jiffies) {
+		clock_coarse_ns = bpf_ktime_get_coarse_ns();
+		clock_jiffies = j;
+	}
+	return clock_coarse_ns;
+}
+
 #endif /* MESHWARP_MAPS_H */

@@ -119,7 +119,7 @@ static __always_inline void obs_skb(struct __sk_buff *skb, bool egress)
 	if (kind == MW_HTTP_NONE && len >= MW_OBS_PEEK && bpf_skb_load_bytes(skb, off, buf, MW_OBS_PEEK) == 0)
 		kind = http_start(buf, &method, &status);
 	/* The precise clock only for an exchange's duration (as in obs_msg). */
-	now = kind == MW_HTTP_NONE ? bpf_ktime_get_coarse_ns() : bpf_ktime_get_ns();
+	now = kind == MW_HTTP_NONE ? coarse_ns() : bpf_ktime_get_ns();
 	if (kind == MW_HTTP_REQUEST) {
 		if (egress)
 			obs_app_request(o, method, now);

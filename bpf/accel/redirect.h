@@ -180,7 +180,7 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 	cnt = counters();
 	if (st->decision == MW_CONN_PAIRED) {
 		__u32 state = sk->state;
-		__u64 now = bpf_ktime_get_coarse_ns();
+		__u64 now = coarse_ns();
 
 		/*
 		 * After shutdown(SHUT_WR) (FIN_WAIT*, LAST_ACK, ...) TCP refuses the
