@@ -69,6 +69,10 @@ accel_tests+='|UninstallReleasesWaitingClient'
 # Learned programs: what the socket-creation and bind hooks see and what an
 # accepted socket inherits from its listener (BPF_F_CLONE) are kernel paths.
 accel_tests+='|LearnedProgramAnyPort'
+# The leave poll's count of the sockets it takes out, and the close of a
+# socket it took out (read off its psock and its owner), and the cgroup_skb
+# programs switched in place by a restart with or without observation.
+accel_tests+='|LeavePollCountsOnce|ObservationInTheDataPathPrograms'
 # These assert FIONREAD on a paired socket, which kernels without tcp_bpf's
 # ioctl (6.1) cannot give: there `meshwarp probe` must name the limitation
 # instead (feature "FIONREAD of redirected bytes" off; the guest checks it).

@@ -2,9 +2,9 @@
 /*
  * Pairing, step 0 (see pairing.h): notes of who has a local peer.
  * TCP_CONNECT_CB (sock_ops) notes a connecting socket's SYN by its source
- * address and sequence number (mw_connecting); mw_syn_in (cgroup_skb
- * ingress on the agent's cgroup, pinned mw_syn_link) marks the note when a
- * listener of the cgroup receives that SYN; STATE_CB of a failed connect
+ * address and sequence number (mw_connecting); mw_ingress (cgroup_skb
+ * ingress on the agent's cgroup, pinned mw_syn_link: syn_note) marks the
+ * note when a listener of the cgroup receives that SYN; STATE_CB of a failed connect
  * withdraws it. Only a socket whose own SYN a listener of the cgroup
  * received joins mw_sock_hash: connections to remote hosts or to servers
  * outside the cgroup never pay for the SOCKHASH, and a client outside the
