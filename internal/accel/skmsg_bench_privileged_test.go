@@ -23,11 +23,7 @@ import (
 //	go test -run '^$' -bench SkmsgPerMessage -benchtime 100000x ./internal/accel
 func BenchmarkPrivilegedSkmsgPerMessage(b *testing.B) {
 	testutil.RequirePrivileged(b)
-	stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer stats.Close()
+	enableBPFStats(b)
 	for _, observe := range []bool{false, true} {
 		b.Run(fmt.Sprintf("observe=%v", observe), func(b *testing.B) {
 			// One agent at a time: the next one takes the same pin directory.
@@ -88,11 +84,7 @@ func benchSkmsgSizes(b *testing.B, a *Agent) {
 //	go test -run '^$' -bench SegmentHooks -benchtime 200000x ./internal/accel
 func BenchmarkPrivilegedSegmentHooks(b *testing.B) {
 	testutil.RequirePrivileged(b)
-	stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer stats.Close()
+	enableBPFStats(b)
 	for _, observe := range []bool{false, true} {
 		b.Run(fmt.Sprintf("observe=%v", observe), func(b *testing.B) {
 			// Both sockets of the test's cgroup (it joins it at the start),
@@ -140,4 +132,13 @@ func BenchmarkPrivilegedSegmentHooks(b *testing.B) {
 			}
 		})
 	}
+}
+
+// enableBPFStats turns the kernel's BPF run-time statistics on until b ends.
+func enableBPFStats(b *testing.B) {
+	stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { stats.Close() })
 }

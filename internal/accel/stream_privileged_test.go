@@ -393,17 +393,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 func TestPrivilegedBackpressureFIONREADReader(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	forEachAgent(t, func(t *testing.T, a *Agent) {
-		ln := mustListen(t, "127.0.0.1:0")
-		defer ln.Close()
-		dial := func() (net.Conn, error) { return net.Dial("tcp", ln.Addr().String()) }
-		witnessClient, witnessServer := pairedConn(t, a, ln, dial)
-		defer witnessClient.Close()
-		defer witnessServer.Close()
-		client, server := pairedConn(t, a, ln, dial)
-		var before Stats
-		if a != nil {
-			before = stats(t, a)
-		}
+		client, server, before := pairBesideWitness(t, a)
 		up := &streamDir{w: client, r: server}
 		// Write until the writer would block: the reader does not read.
 		buf := make([]byte, 64<<10)
@@ -476,17 +466,7 @@ func TestPrivilegedLeavePollCountsOnce(t *testing.T) {
 
 func leavePollCountsOnce(t *testing.T, reset bool) {
 	forEachAgent(t, func(t *testing.T, a *Agent) {
-		ln := mustListen(t, "127.0.0.1:0")
-		defer ln.Close()
-		dial := func() (net.Conn, error) { return net.Dial("tcp", ln.Addr().String()) }
-		witnessClient, witnessServer := pairedConn(t, a, ln, dial)
-		defer witnessClient.Close()
-		defer witnessServer.Close()
-		client, server := pairedConn(t, a, ln, dial)
-		var before Stats
-		if a != nil {
-			before = stats(t, a)
-		}
+		client, server, before := pairBesideWitness(t, a)
 		up := &streamDir{w: client, r: server}
 		// Unread writes up to the redirect budget, then one byte more, which
 		// goes to TCP (backpressure): a segment of one byte, whose ACK and
@@ -527,6 +507,23 @@ func leavePollCountsOnce(t *testing.T, reset bool) {
 			requireSocketCounts(t, a, before, 2, 2)
 		}
 	})
+}
+
+// pairBesideWitness makes two paired loopback connections and returns
+// one of them with the counters after both: the other (the witness) stays
+// open and paired until the test ends, so the accelerated_sockets gauge has
+// sockets to lose if the test's connection is counted out twice.
+func pairBesideWitness(t *testing.T, a *Agent) (client, server net.Conn, before Stats) {
+	t.Helper()
+	ln := mustListen(t, "127.0.0.1:0")
+	t.Cleanup(func() { ln.Close() })
+	witnessClient, witnessServer := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+	t.Cleanup(func() { witnessClient.Close(); witnessServer.Close() })
+	client, server = pairedConn(t, a, ln, dialer(ln.Addr().String()))
+	if a != nil {
+		before = stats(t, a)
+	}
+	return client, server, before
 }
 
 // requireSocketCounts requires left sockets since before, and the
