@@ -79,17 +79,17 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	/* Observation first: it may add STATE_CB to the flags the rest sets. */
 	switch (op) {
 	case BPF_SOCK_OPS_TCP_CONNECT_CB:
-		cb_flags = obs_start(skops, sk, true, cb_flags);
+		cb_flags = obs_start(skops, sk, true, cb_flags, snd_nxt, rcv_nxt);
 		if (accelerate)
 			on_connect(skops, sk, cb_flags);
 		break;
 	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:
-		obs_established(skops, sk);
+		obs_established(sk, snd_nxt, rcv_nxt);
 		if (accelerate)
 			on_active_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
 		break;
 	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
-		cb_flags = obs_start(skops, sk, false, cb_flags);
+		cb_flags = obs_start(skops, sk, false, cb_flags, snd_nxt, rcv_nxt);
 		if (accelerate)
 			on_passive_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
 		break;

@@ -230,7 +230,7 @@ struct mw_obs_sock {
 	__u32 req_egress; /* the request left through this socket (1) or arrived (0) */
 	__u32 snd_next;   /* end of the highest segment sent / received: retransmitted */
 	__u32 rcv_next;   /* segments are not parsed twice */
-	__u32 seq_set;    /* bit 0: snd_next set, bit 1: rcv_next set */
+	__u32 seq_set;    /* MW_SEQ_* bits (observe.h) */
 	__u32 _pad;
 };
 

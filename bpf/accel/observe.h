@@ -35,6 +35,21 @@ const volatile __u64 obs_bounds_ns[MW_OBS_BUCKETS - 1];
 /* Bytes of a message or segment looked at: the longest line start we match. */
 #define MW_OBS_PEEK 12
 
+/*
+ * mw_obs_sock.seq_set. SND and RCV: snd_next, rcv_next hold the end of
+ * the highest segment seen that way. The _START bits: set at establishment
+ * with snd_next, rcv_next at the stream's first byte; that way's next
+ * payload segment (it clears its bit) may be the stream's start.
+ * NOT_HTTP: the connection's first bytes ruled HTTP/1.x out
+ * (http_ruled_out): its later messages and segments are counted, not
+ * parsed.
+ */
+#define MW_SEQ_SND 1
+#define MW_SEQ_RCV 2
+#define MW_SEQ_SND_START 4
+#define MW_SEQ_RCV_START 8
+#define MW_OBS_NOT_HTTP 16
+
 /* Per CPU, allocated per flow: sizeof(struct mw_flow) (216 B) per CPU and flow. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
@@ -132,6 +147,36 @@ static __always_inline __u32 http_start(const __u8 *b, __u32 *method, __u32 *sta
 	return MW_HTTP_REQUEST;
 }
 
+/*
+ * Whether a stream's first bytes rule HTTP/1.x out: an HTTP/1.x message,
+ * and a PROXY protocol header before one, starts with a token and a space
+ * (a request line's method, "HTTP/1.1 ", "PROXY ") or with PROXY v2's
+ * signature. Anything else (a byte that is not printable ASCII before the
+ * first space, or a space first) is another protocol (TLS, RESP, a binary
+ * protocol), and such a connection never carries HTTP/1.x: parsing its
+ * later messages could only miscount its payload as requests. Twelve
+ * printable bytes without a space (a long method) do not rule it out.
+ */
+static __always_inline bool http_ruled_out(const __u8 *b)
+{
+	__u64 head = 0;
+	__u32 tail = 0;
+	int i;
+
+	__builtin_memcpy(&head, b, 8);
+	__builtin_memcpy(&tail, b + 8, 4);
+	if (head == MW_W8('\r', '\n', '\r', '\n', 0, '\r', '\n', 'Q') &&
+	    tail == (__u32)MW_W8('U', 'I', 'T', '\n', 0, 0, 0, 0))
+		return false;
+	for (i = 0; i < MW_OBS_PEEK; i++) {
+		if (b[i] == ' ')
+			return i == 0;
+		if (b[i] < 0x21 || b[i] > 0x7e)
+			return true;
+	}
+	return false;
+}
+
 static __always_inline bool loopback(const struct mw_endpoint *e)
 {
 	/* v4-mapped: addr[3] holds the IPv4 address in network order (127/8: first byte 127). */
@@ -217,7 +262,24 @@ static __always_inline __u64 netns_inode(struct bpf_sock *sk)
  * sock_ops: a socket connects (active) or is established. Returns the
  * socket's callback flags with STATE_CB (its end is observed).
  */
-static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_sock *sk, bool active, __u32 cb_flags)
+/*
+ * Where the socket's streams start (snd_nxt, rcv_nxt at establishment: the
+ * first byte each way), unless a segment was seen already (data in a SYN).
+ */
+static __always_inline void obs_stream_starts(struct mw_obs_sock *o, __u32 snd_nxt, __u32 rcv_nxt)
+{
+	if (!(o->seq_set & MW_SEQ_SND)) {
+		o->snd_next = snd_nxt;
+		o->seq_set |= MW_SEQ_SND | MW_SEQ_SND_START;
+	}
+	if (!(o->seq_set & MW_SEQ_RCV)) {
+		o->rcv_next = rcv_nxt;
+		o->seq_set |= MW_SEQ_RCV | MW_SEQ_RCV_START;
+	}
+}
+
+static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_sock *sk, bool active, __u32 cb_flags,
+				       __u32 snd_nxt, __u32 rcv_nxt)
 {
 	struct mw_obs_sock *o;
 	struct mw_tuple t = {};
@@ -235,6 +297,8 @@ static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_so
 	o->start_ns = bpf_ktime_get_ns();
 	o->flushed_ns = o->start_ns;
 	o->started = 1;
+	if (!active)
+		obs_stream_starts(o, snd_nxt, rcv_nxt); /* the active side's at its establishment */
 	if (!(cb_flags & BPF_SOCK_OPS_STATE_CB_FLAG)) {
 		cb_flags |= BPF_SOCK_OPS_STATE_CB_FLAG;
 		bpf_sock_ops_cb_flags_set(skops, cb_flags);
@@ -243,15 +307,18 @@ static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_so
 }
 
 /* sock_ops: an established connection's socket is now established (not just connecting). */
-static __always_inline void obs_established(struct bpf_sock_ops *skops, struct bpf_sock *sk)
+static __always_inline void obs_established(struct bpf_sock *sk, __u32 snd_nxt, __u32 rcv_nxt)
 {
 	struct mw_obs_sock *o;
 
 	if (!observe)
 		return;
 	o = obs_state(sk, false);
-	if (o)
-		o->start_ns = o->flushed_ns = bpf_ktime_get_ns();
+	if (!o)
+		return;
+	o->start_ns = o->flushed_ns = bpf_ktime_get_ns();
+	if (o->started)
+		obs_stream_starts(o, snd_nxt, rcv_nxt);
 }
 
 /* sock_ops STATE_CB to CLOSE: how the connection ended, and its lifetime. */
@@ -350,19 +417,27 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 		return; /* established before observation started */
 	if (!o->accelerated)
 		o->accelerated = 1;
-	if (size >= MW_OBS_PEEK) {
+	if (size >= MW_OBS_PEEK && !(o->seq_set & MW_OBS_NOT_HTTP)) {
+		bool peeked = false;
+
 		data = (void *)(long)msg->data;
 		end = (void *)(long)msg->data_end;
 		/* Pulled (copied) only when the first page holds fewer bytes. */
 		if (data + MW_OBS_PEEK > end && bpf_msg_pull_data(msg, 0, MW_OBS_PEEK, 0) == 0) {
 			data = (void *)(long)msg->data;
 			end = (void *)(long)msg->data_end;
-			if (data + MW_OBS_PEEK <= end)
+			if (data + MW_OBS_PEEK <= end) {
 				__builtin_memcpy(buf, data, MW_OBS_PEEK);
+				peeked = true;
+			}
 		} else if (data + MW_OBS_PEEK <= end) {
 			__builtin_memcpy(buf, data, MW_OBS_PEEK);
+			peeked = true;
 		}
 		kind = http_start(buf, &method, &status);
+		/* Its first redirected message starts its stream (redirected from the first byte). */
+		if (peeked && !st->sent && kind == MW_HTTP_NONE && http_ruled_out(buf))
+			o->seq_set |= MW_OBS_NOT_HTTP;
 	}
 	/* The precise clock only for an exchange's duration; the flush needs no more than the coarse one. */
 	now = kind == MW_HTTP_NONE ? coarse_now : bpf_ktime_get_ns();

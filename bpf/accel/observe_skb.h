@@ -59,10 +59,12 @@ static __always_inline void obs_skb(struct __sk_buff *skb, bool egress)
 {
 	__u32 kind = MW_HTTP_NONE, method = MW_METHOD_OTHER, status = 0;
 	struct mw_flow_key k = {};
-	struct mw_obs_sock *o;
+	struct mw_obs_sock *o = NULL;
+	struct mw_sock *rec;
 	struct bpf_sock *sk;
 	__u8 buf[MW_OBS_PEEK] = {};
-	__u32 off, len, seq, end;
+	__u32 off, len, seq, end, next, start_bit;
+	bool stream_start = false;
 	void *tcp;
 	__u8 doff;
 	__u64 now;
@@ -76,7 +78,11 @@ static __always_inline void obs_skb(struct __sk_buff *skb, bool egress)
 	sk = bpf_sk_fullsock(sk);
 	if (!sk || sk->protocol != IPPROTO_TCP)
 		return;
-	o = obs_state(sk, false);
+	rec = sock_rec(sk, false);
+	if (rec) {
+		barrier_var(rec); /* the offset behind the NULL check (see obs_state) */
+		o = &rec->obs;
+	}
 	if (o && !o->started)
 		o = NULL; /* a record without observation (created with the socket) */
 	if (o && !o->start_ns)
@@ -106,18 +112,34 @@ static __always_inline void obs_skb(struct __sk_buff *skb, bool egress)
 	}
 	seq = bpf_ntohl(seq);
 	end = seq + len;
+	next = egress ? o->snd_next : o->rcv_next;
 	/* Seen already (a retransmission): neither its bytes nor its start count twice. */
-	if (o->seq_set & (egress ? 1 : 2)) {
-		if (!seq_after(end, egress ? o->snd_next : o->rcv_next))
+	if (o->seq_set & (egress ? MW_SEQ_SND : MW_SEQ_RCV)) {
+		if (!seq_after(end, next))
 			return;
 	}
-	o->seq_set |= egress ? 1 : 2;
+	/*
+	 * The first payload segment this way since establishment, at the
+	 * stream's first byte, of a socket that never joined mw_sock_hash (a
+	 * redirected byte does not move TCP's sequence numbers, so after a
+	 * switch to TCP the first segment is not the stream's start).
+	 */
+	start_bit = egress ? MW_SEQ_SND_START : MW_SEQ_RCV_START;
+	if (o->seq_set & start_bit) {
+		stream_start = seq == next && rec && !rec->pair.role;
+		o->seq_set &= ~start_bit;
+	}
+	o->seq_set |= egress ? MW_SEQ_SND : MW_SEQ_RCV;
 	if (egress)
 		o->snd_next = end;
 	else
 		o->rcv_next = end;
-	if (kind == MW_HTTP_NONE && len >= MW_OBS_PEEK && bpf_skb_load_bytes(skb, off, buf, MW_OBS_PEEK) == 0)
+	if (kind == MW_HTTP_NONE && len >= MW_OBS_PEEK && !(o->seq_set & MW_OBS_NOT_HTTP) &&
+	    bpf_skb_load_bytes(skb, off, buf, MW_OBS_PEEK) == 0) {
 		kind = http_start(buf, &method, &status);
+		if (stream_start && kind == MW_HTTP_NONE && http_ruled_out(buf))
+			o->seq_set |= MW_OBS_NOT_HTTP;
+	}
 	/* The precise clock only for an exchange's duration (as in obs_msg). */
 	now = kind == MW_HTTP_NONE ? coarse_ns() : bpf_ktime_get_ns();
 	if (kind == MW_HTTP_REQUEST) {
