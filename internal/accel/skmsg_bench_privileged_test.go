@@ -142,3 +142,87 @@ func enableBPFStats(b *testing.B) {
 	}
 	b.Cleanup(func() { stats.Close() })
 }
+
+// BenchmarkPrivilegedConnection: what the agent's programs cost one short
+// connection on loopback, paired (127.0.0.1) and not paired (127.0.0.2,
+// excluded by policy), with and without observation: connect, one 100-byte
+// request and its response, close. Reported as bpf-ns/conn (every program of
+// the agent, from the kernel's run-time statistics), sockops-ns/conn and
+// sockops-runs/conn; ns/op is the connection's time (noisy).
+//
+//	go test -run '^$' -bench Connection -benchtime 20000x ./internal/accel
+func BenchmarkPrivilegedConnection(b *testing.B) {
+	testutil.RequirePrivileged(b)
+	enableBPFStats(b)
+	for _, observe := range []bool{false, true} {
+		b.Run(fmt.Sprintf("observe=%v", observe), func(b *testing.B) {
+			a := startAgent(b, Config{Observe: observe, Policy: Policy{ExcludeCIDRs: []netip.Prefix{netip.MustParsePrefix("127.0.0.2/32")}}})
+			for _, tc := range []struct{ name, addr string }{{"paired", "127.0.0.1:0"}, {"unpaired", "127.0.0.2:0"}} {
+				b.Run(tc.name, func(b *testing.B) { benchConnections(b, a, tc.addr) })
+			}
+		})
+	}
+}
+
+func benchConnections(b *testing.B, a *Agent, addr string) {
+	ln := mustListen(b, addr)
+	defer ln.Close()
+	served := make(chan error, 1)
+	go func() {
+		buf := make([]byte, 100)
+		for {
+			s, err := ln.Accept()
+			if err != nil {
+				served <- nil
+				return
+			}
+			_, err = io.ReadFull(s, buf)
+			if err == nil {
+				_, err = s.Write(buf)
+			}
+			if err == nil {
+				_, err = io.Copy(io.Discard, s) // until the client's FIN
+			}
+			s.Close()
+			if err != nil {
+				served <- err
+				return
+			}
+		}
+	}()
+	sockops := func() (uint64, int64) {
+		st, err := a.objs.MwSockops.Stats()
+		if err != nil {
+			b.Fatal(err)
+		}
+		return st.RunCount, st.Runtime.Nanoseconds()
+	}
+	s0 := stats(b, a)
+	r0, ns0 := sockops()
+	buf := make([]byte, 100)
+	b.ResetTimer()
+	for range b.N {
+		c, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := c.Write(buf); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, buf); err != nil {
+			b.Fatal(err)
+		}
+		c.Close()
+	}
+	b.StopTimer()
+	s1 := stats(b, a)
+	r1, ns1 := sockops()
+	ln.Close()
+	if err := <-served; err != nil {
+		b.Fatal(err)
+	}
+	n := float64(b.N)
+	b.ReportMetric((s1.BPFRunSeconds-s0.BPFRunSeconds)*1e9/n, "bpf-ns/conn")
+	b.ReportMetric(float64(ns1-ns0)/n, "sockops-ns/conn")
+	b.ReportMetric(float64(r1-r0)/n, "sockops-runs/conn")
+}
