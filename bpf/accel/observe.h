@@ -17,7 +17,9 @@
  * HTTP/1.x only by its first line ("shallow parsing"): a request line starts
  * an exchange, the next final status line (>= 200) the other way ends it.
  * One exchange in flight per connection: a pipelined request replaces the
- * one before it. The programs never change a packet's or message's fate.
+ * one before it. A connection whose first bytes rule HTTP/1.x out
+ * (http_ruled_out) is counted from then on, not parsed. The programs never
+ * change a packet's or message's fate.
  *
  * Included by accel.bpf.c (one object: the maps and constants are shared);
  * the cgroup_skb and tp_btf programs are in observe_skb.h.
