@@ -261,10 +261,6 @@ static __always_inline __u64 netns_inode(struct bpf_sock *sk)
 }
 
 /*
- * sock_ops: a socket connects (active) or is established. Returns the
- * socket's callback flags with STATE_CB (its end is observed).
- */
-/*
  * Where the socket's streams start (snd_nxt, rcv_nxt at establishment: the
  * first byte each way), unless a segment was seen already (data in a SYN).
  */
@@ -280,6 +276,10 @@ static __always_inline void obs_stream_starts(struct mw_obs_sock *o, __u32 snd_n
 	}
 }
 
+/*
+ * sock_ops: a socket connects (active) or is established. Returns the
+ * socket's callback flags with STATE_CB (its end is observed).
+ */
 static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_sock *sk, bool active, __u32 cb_flags,
 				       __u32 snd_nxt, __u32 rcv_nxt)
 {
