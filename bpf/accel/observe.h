@@ -152,8 +152,9 @@ static __always_inline __u32 http_start(const __u8 *b, __u32 *method, __u32 *sta
 /*
  * Whether a stream's first bytes rule HTTP/1.x out: an HTTP/1.x message,
  * and a PROXY protocol header before one, starts with a token and a space
- * (a request line's method, "HTTP/1.1 ", "PROXY ") or with PROXY v2's
- * signature. Anything else (a byte that is not printable ASCII before the
+ * (a request line's method, "HTTP/1.1 ", "PROXY "), or with CR LF (empty
+ * lines a server ignores before a request line, RFC 9112 2.2; PROXY v2's
+ * signature). Anything else (a byte that is not printable ASCII before the
  * first space, or a space first) is another protocol (TLS, RESP, a binary
  * protocol), and such a connection never carries HTTP/1.x: parsing its
  * later messages could only miscount its payload as requests. Twelve
@@ -161,14 +162,9 @@ static __always_inline __u32 http_start(const __u8 *b, __u32 *method, __u32 *sta
  */
 static __always_inline bool http_ruled_out(const __u8 *b)
 {
-	__u64 head = 0;
-	__u32 tail = 0;
 	int i;
 
-	__builtin_memcpy(&head, b, 8);
-	__builtin_memcpy(&tail, b + 8, 4);
-	if (head == MW_W8('\r', '\n', '\r', '\n', 0, '\r', '\n', 'Q') &&
-	    tail == (__u32)MW_W8('U', 'I', 'T', '\n', 0, 0, 0, 0))
+	if (b[0] == '\r' || b[0] == '\n')
 		return false;
 	for (i = 0; i < MW_OBS_PEEK; i++) {
 		if (b[i] == ' ')

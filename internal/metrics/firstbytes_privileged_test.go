@@ -21,7 +21,8 @@ import (
 // opens with another protocol's bytes (here a TLS record header) is not
 // parsed afterwards, so payload that happens to look like a request line is
 // not counted as requests, and its bytes are still counted exactly. One that
-// opens with a token and a space (a PROXY protocol line) is parsed on.
+// opens with a token and a space or CR LF (a PROXY protocol header, v1 or
+// v2) is parsed on.
 // Accelerated (sk_msg) and on TCP (cgroup_skb).
 func TestPrivilegedHTTPRecognizedFromTheFirstBytes(t *testing.T) {
 	testutil.RequirePrivileged(t)
@@ -36,6 +37,8 @@ func TestPrivilegedHTTPRecognizedFromTheFirstBytes(t *testing.T) {
 	}{
 		{"tls-record-first", []byte("\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\x5a\x5b\x5c\x5d\x5e"), []byte("\x16\x03\x03\x00\x5a\x02\x00\x00\x56\x03\x03\x01\x02\x03\x04\x05"), 0},
 		{"proxy-line-first", []byte("PROXY TCP4 10.0.0.1 10.0.0.2 40000 80\r\n"), nil, exchanges},
+		// PROXY v2: the signature, version 2 PROXY over TCP4, 12 bytes of addresses and ports.
+		{"proxy-v2-first", []byte("\r\n\r\n\x00\r\nQUIT\n\x21\x11\x00\x0c\x0a\x00\x00\x01\x0a\x00\x00\x02\x9c\x40\x00\x50"), nil, exchanges},
 	}
 	for _, accelerate := range []bool{true, false} {
 		for _, tc := range cases {
