@@ -72,6 +72,7 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	__u32 rcv_nxt = skops->rcv_nxt;
 	__u32 snd_una = skops->snd_una;
 	__u32 cb_flags = skops->bpf_sock_ops_cb_flags;
+	__u32 skb_len = skops->skb_len; /* the segment that made the callback; 0: none (TCP_REPAIR) */
 	struct bpf_sock *sk = skops->sk;
 
 	if (!sk)
@@ -79,17 +80,17 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	/* Observation first: it may add STATE_CB to the flags the rest sets. */
 	switch (op) {
 	case BPF_SOCK_OPS_TCP_CONNECT_CB:
-		cb_flags = obs_start(skops, sk, true, cb_flags, snd_nxt, rcv_nxt);
+		cb_flags = obs_start(skops, sk, true, cb_flags, snd_nxt, rcv_nxt, skb_len);
 		if (accelerate)
 			on_connect(skops, sk, cb_flags);
 		break;
 	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:
-		obs_established(sk, snd_nxt, rcv_nxt);
+		obs_established(sk, snd_nxt, rcv_nxt, skb_len);
 		if (accelerate)
 			on_active_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
 		break;
 	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
-		cb_flags = obs_start(skops, sk, false, cb_flags, snd_nxt, rcv_nxt);
+		cb_flags = obs_start(skops, sk, false, cb_flags, snd_nxt, rcv_nxt, skb_len);
 		if (accelerate)
 			on_passive_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
 		break;

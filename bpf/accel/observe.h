@@ -259,9 +259,23 @@ static __always_inline __u64 netns_inode(struct bpf_sock *sk)
 /*
  * Where the socket's streams start (snd_nxt, rcv_nxt at establishment: the
  * first byte each way), unless a segment was seen already (data in a SYN).
+ * Only an establishment by a handshake (skb_len: its segment) of a plain TCP
+ * connection starts them: a socket restored with TCP_REPAIR is established
+ * without one, mid-stream, and an MPTCP subflow carries a part of its
+ * connection's stream.
  */
-static __always_inline void obs_stream_starts(struct mw_obs_sock *o, __u32 snd_nxt, __u32 rcv_nxt)
+static __always_inline void obs_stream_starts(struct bpf_sock *sk, struct mw_obs_sock *o, __u32 snd_nxt,
+					      __u32 rcv_nxt, __u32 skb_len)
 {
+	struct tcp_sock *tp;
+
+	if (!skb_len)
+		return;
+	if (bpf_core_field_exists(((struct tcp_sock *)0)->is_mptcp)) {
+		tp = bpf_skc_to_tcp_sock(sk);
+		if (!tp || tp->is_mptcp)
+			return;
+	}
 	if (!(o->seq_set & MW_SEQ_SND)) {
 		o->snd_next = snd_nxt;
 		o->seq_set |= MW_SEQ_SND | MW_SEQ_SND_START;
@@ -277,7 +291,7 @@ static __always_inline void obs_stream_starts(struct mw_obs_sock *o, __u32 snd_n
  * socket's callback flags with STATE_CB (its end is observed).
  */
 static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_sock *sk, bool active, __u32 cb_flags,
-				       __u32 snd_nxt, __u32 rcv_nxt)
+				       __u32 snd_nxt, __u32 rcv_nxt, __u32 skb_len)
 {
 	struct mw_obs_sock *o;
 	struct mw_tuple t = {};
@@ -296,7 +310,7 @@ static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_so
 	o->flushed_ns = o->start_ns;
 	o->started = 1;
 	if (!active)
-		obs_stream_starts(o, snd_nxt, rcv_nxt); /* the active side's at its establishment */
+		obs_stream_starts(sk, o, snd_nxt, rcv_nxt, skb_len); /* the active side's at its establishment */
 	if (!(cb_flags & BPF_SOCK_OPS_STATE_CB_FLAG)) {
 		cb_flags |= BPF_SOCK_OPS_STATE_CB_FLAG;
 		bpf_sock_ops_cb_flags_set(skops, cb_flags);
@@ -305,7 +319,7 @@ static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_so
 }
 
 /* sock_ops: an established connection's socket is now established (not just connecting). */
-static __always_inline void obs_established(struct bpf_sock *sk, __u32 snd_nxt, __u32 rcv_nxt)
+static __always_inline void obs_established(struct bpf_sock *sk, __u32 snd_nxt, __u32 rcv_nxt, __u32 skb_len)
 {
 	struct mw_obs_sock *o;
 
@@ -316,7 +330,7 @@ static __always_inline void obs_established(struct bpf_sock *sk, __u32 snd_nxt, 
 		return;
 	o->start_ns = o->flushed_ns = bpf_ktime_get_ns();
 	if (o->started)
-		obs_stream_starts(o, snd_nxt, rcv_nxt);
+		obs_stream_starts(sk, o, snd_nxt, rcv_nxt, skb_len);
 }
 
 /* sock_ops STATE_CB to CLOSE: how the connection ended, and its lifetime. */

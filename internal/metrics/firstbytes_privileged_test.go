@@ -32,13 +32,16 @@ func TestPrivilegedHTTPRecognizedFromTheFirstBytes(t *testing.T) {
 	cases := []struct {
 		name     string
 		first    []byte // the client's first write, before the exchanges
-		reply    []byte // the server's answer to it (nil: none)
+		second   []byte // its second write (nil: none)
+		reply    []byte // the server's answer to them (nil: none)
 		wantHTTP int
 	}{
-		{"tls-record-first", []byte("\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\x5a\x5b\x5c\x5d\x5e"), []byte("\x16\x03\x03\x00\x5a\x02\x00\x00\x56\x03\x03\x01\x02\x03\x04\x05"), 0},
-		{"proxy-line-first", []byte("PROXY TCP4 10.0.0.1 10.0.0.2 40000 80\r\n"), nil, exchanges},
+		{"tls-record-first", []byte("\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\x5a\x5b\x5c\x5d\x5e"), nil, []byte("\x16\x03\x03\x00\x5a\x02\x00\x00\x56\x03\x03\x01\x02\x03\x04\x05"), 0},
+		{"proxy-line-first", []byte("PROXY TCP4 10.0.0.1 10.0.0.2 40000 80\r\n"), nil, nil, exchanges},
 		// PROXY v2: the signature, version 2 PROXY over TCP4, 12 bytes of addresses and ports.
-		{"proxy-v2-first", []byte("\r\n\r\n\x00\r\nQUIT\n\x21\x11\x00\x0c\x0a\x00\x00\x01\x0a\x00\x00\x02\x9c\x40\x00\x50"), nil, exchanges},
+		{"proxy-v2-first", []byte("\r\n\r\n\x00\r\nQUIT\n\x21\x11\x00\x0c\x0a\x00\x00\x01\x0a\x00\x00\x02\x9c\x40\x00\x50"), nil, nil, exchanges},
+		// A request whose binary body is a write of its own: only the stream's first bytes decide.
+		{"binary-body-second", []byte("POST /u HTTP/1.1\r\nHost: a\r\nContent-Length: 16\r\n\r\n"), []byte("\x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\x0b\x0c\x0d\x0e\x0f"), response, exchanges + 1},
 	}
 	for _, accelerate := range []bool{true, false} {
 		for _, tc := range cases {
@@ -58,7 +61,7 @@ func TestPrivilegedHTTPRecognizedFromTheFirstBytes(t *testing.T) {
 						return
 					}
 					defer c.Close()
-					if _, err := io.ReadFull(c, make([]byte, len(tc.first))); err != nil {
+					if _, err := io.ReadFull(c, make([]byte, len(tc.first)+len(tc.second))); err != nil {
 						done <- err
 						return
 					}
@@ -85,8 +88,13 @@ func TestPrivilegedHTTPRecognizedFromTheFirstBytes(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if _, err := c.Write(tc.first); err != nil {
-					t.Fatal(err)
+				for _, w := range [][]byte{tc.first, tc.second} {
+					if len(w) == 0 {
+						continue
+					}
+					if _, err := c.Write(w); err != nil {
+						t.Fatal(err)
+					}
 				}
 				if _, err := io.ReadFull(c, make([]byte, len(tc.reply))); err != nil {
 					t.Fatal(err)
@@ -107,7 +115,7 @@ func TestPrivilegedHTTPRecognizedFromTheFirstBytes(t *testing.T) {
 				srv := httptest.NewServer(Handler(a.Stats, a.Flows))
 				defer srv.Close()
 				port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
-				wantBytes := float64(len(tc.first) + len(tc.reply) + exchanges*(len(request)+len(response)))
+				wantBytes := float64(len(tc.first) + len(tc.second) + len(tc.reply) + exchanges*(len(request)+len(response)))
 				deadline := time.Now().Add(10 * time.Second)
 				for {
 					fams := scrape(t, srv.URL)
