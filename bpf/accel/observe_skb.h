@@ -69,27 +69,13 @@ static __always_inline void obs_skb(struct __sk_buff *skb, bool egress)
 	__u8 doff;
 	__u64 now;
 
-	/* Pure ACKs first out: 20 B IPv4 + 32 B TCP with timestamps carry no payload. */
-	if (skb->len <= 52)
+	/* No TCP segment of 40 bytes or fewer (IPv4 and TCP headers without options) carries payload. */
+	if (skb->len <= 40)
 		return;
-	sk = skb->sk;
-	if (!sk)
-		return;
-	sk = bpf_sk_fullsock(sk);
-	if (!sk || sk->protocol != IPPROTO_TCP)
-		return;
-	rec = sock_rec(sk, false);
-	if (rec) {
-		barrier_var(rec); /* the offset behind the NULL check (see obs_state) */
-		o = &rec->obs;
-	}
-	if (o && !o->started)
-		o = NULL; /* a record without observation (created with the socket) */
-	if (o && !o->start_ns)
-		return; /* its end was recorded */
 	/*
-	 * The headers are in the linear part (direct reads); the payload may
-	 * be in page fragments (bpf_skb_load_bytes).
+	 * Pure ACKs out next, before the socket's record is looked up. The
+	 * headers are in the linear part (direct reads); the payload may be in
+	 * page fragments (bpf_skb_load_bytes).
 	 */
 	tcp = skb_tcp_header(skb, &off);
 	if (!tcp)
@@ -100,6 +86,26 @@ static __always_inline void obs_skb(struct __sk_buff *skb, bool egress)
 	if (skb->len <= off)
 		return;
 	len = skb->len - off;
+	sk = skb->sk;
+	if (!sk)
+		return;
+	sk = bpf_sk_fullsock(sk);
+	/*
+	 * A listener's: the segment that completes a handshake (with its
+	 * data: TCP_DEFER_ACCEPT, a lost final ACK) passes the listener's
+	 * filter before the accepted socket exists. It is not the listener's.
+	 */
+	if (!sk || sk->protocol != IPPROTO_TCP || sk->state == BPF_TCP_LISTEN)
+		return;
+	rec = sock_rec(sk, false);
+	if (rec) {
+		barrier_var(rec); /* the offset behind the NULL check (see obs_state) */
+		o = &rec->obs;
+	}
+	if (o && !o->started)
+		o = NULL; /* a record without observation (created with the socket) */
+	if (o && !o->start_ns)
+		return; /* its end was recorded */
 	if (!o) {
 		/* Unknown socket: only a request makes it known. */
 		if (len < MW_OBS_PEEK || bpf_skb_load_bytes(skb, off, buf, MW_OBS_PEEK) ||

@@ -163,3 +163,85 @@ func matching(f *dto.MetricFamily, want map[string]string) []*dto.Metric {
 	}
 	return out
 }
+
+// Segments of a few bytes count too, on a path without TCP timestamps
+// (whose headers are 12 bytes shorter): request/response of 1 to 12 bytes,
+// accelerated (sk_msg) and on TCP (cgroup_skb).
+func TestPrivilegedTCPBytesExactTinySegments(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	for _, accelerate := range []bool{true, false} {
+		t.Run(fmt.Sprintf("accelerate=%v", accelerate), func(t *testing.T) {
+			cgroup := testutil.EnterCgroup(t)
+			ns := testutil.NewNetns(t, "tiny")
+			testutil.Run(t, "ip", "netns", "exec", ns.Name, "sysctl", "-qw", "net.ipv4.tcp_timestamps=0")
+			a := agenttest.Start(t, accel.Config{CgroupPath: cgroup, Observe: true, ObserveOnly: !accelerate})
+			var ln net.Listener
+			if err := ns.Do(func() (err error) { ln, err = net.Listen("tcp4", "127.0.0.1:0"); return err }); err != nil {
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			const maxSize = 12
+			done := make(chan error, 1)
+			go func() {
+				s, err := ln.Accept()
+				if err != nil {
+					done <- err
+					return
+				}
+				defer s.Close()
+				buf := make([]byte, maxSize)
+				for size := 1; size <= maxSize; size++ {
+					if _, err := io.ReadFull(s, buf[:size]); err != nil {
+						done <- err
+						return
+					}
+					if _, err := s.Write(buf[:size]); err != nil {
+						done <- err
+						return
+					}
+				}
+				_, err = io.Copy(io.Discard, s) // until the client's FIN
+				done <- err
+			}()
+			var c net.Conn
+			if err := ns.Do(func() (err error) { c, err = net.Dial("tcp4", ln.Addr().String()); return err }); err != nil {
+				t.Fatal(err)
+			}
+			buf := make([]byte, maxSize)
+			for size := 1; size <= maxSize; size++ {
+				if _, err := c.Write(buf[:size]); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := io.ReadFull(c, buf[:size]); err != nil {
+					t.Fatal(err)
+				}
+			}
+			c.Close()
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			srv := httptest.NewServer(Handler(a.Stats, a.Flows))
+			defer srv.Close()
+			want := float64(2 * maxSize * (maxSize + 1) / 2) // 1..12 bytes each way
+			port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				fams := scrape(t, srv.URL)
+				var errs []error
+				for _, point := range []string{"client", "server"} {
+					labels := map[string]string{"point": point, "server_port": port, "meshwarp_accelerated": strconv.FormatBool(accelerate)}
+					if got := counterSum(fams["meshwarp_tcp_bytes_total"], labels); got != want {
+						errs = append(errs, fmt.Errorf("point %s: %.0f bytes, want %.0f", point, got, want))
+					}
+				}
+				if len(errs) == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal(errors.Join(errs...))
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+		})
+	}
+}
