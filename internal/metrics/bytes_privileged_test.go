@@ -101,10 +101,7 @@ func TestPrivilegedTCPBytesExact(t *testing.T) {
 					}
 				}
 				want := float64(conns * (request + tc.response))
-				deadline := time.Now().Add(10 * time.Second)
-				for {
-					fams := scrape(t, srv.URL)
-					var errs []error
+				eventually(t, srv.URL, func(fams map[string]*dto.MetricFamily) (errs []error) {
 					for _, point := range []string{"client", "server"} {
 						if got := counterSum(fams["meshwarp_tcp_bytes_total"], labels(point)); got != want {
 							errs = append(errs, fmt.Errorf("point %s: %.0f bytes, want %.0f", point, got, want))
@@ -113,14 +110,8 @@ func TestPrivilegedTCPBytesExact(t *testing.T) {
 							errs = append(errs, fmt.Errorf("point %s: %d connection ends, want %d", point, got, conns))
 						}
 					}
-					if len(errs) == 0 {
-						break
-					}
-					if time.Now().After(deadline) {
-						t.Fatal(errors.Join(errs...))
-					}
-					time.Sleep(50 * time.Millisecond)
-				}
+					return errs
+				})
 			})
 		}
 	}
@@ -224,24 +215,39 @@ func TestPrivilegedTCPBytesExactTinySegments(t *testing.T) {
 			defer srv.Close()
 			want := float64(2 * maxSize * (maxSize + 1) / 2) // 1..12 bytes each way
 			port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
-			deadline := time.Now().Add(10 * time.Second)
-			for {
-				fams := scrape(t, srv.URL)
-				var errs []error
-				for _, point := range []string{"client", "server"} {
-					labels := map[string]string{"point": point, "server_port": port, "meshwarp_accelerated": strconv.FormatBool(accelerate)}
-					if got := counterSum(fams["meshwarp_tcp_bytes_total"], labels); got != want {
-						errs = append(errs, fmt.Errorf("point %s: %.0f bytes, want %.0f", point, got, want))
-					}
-				}
-				if len(errs) == 0 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatal(errors.Join(errs...))
-				}
-				time.Sleep(50 * time.Millisecond)
-			}
+			eventually(t, srv.URL, func(fams map[string]*dto.MetricFamily) []error {
+				return tcpBytesErrors(fams, port, accelerate, want)
+			})
 		})
 	}
+}
+
+// eventually scrapes url until check finds nothing wrong (connections end,
+// and their last bytes reach the flows, asynchronously), or fails the test
+// with what check found last.
+func eventually(t *testing.T, url string, check func(map[string]*dto.MetricFamily) []error) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		errs := check(scrape(t, url))
+		if len(errs) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(errors.Join(errs...))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// tcpBytesErrors: meshwarp_tcp_bytes_total of server port at the client and
+// the server point, accelerated or not, against want.
+func tcpBytesErrors(fams map[string]*dto.MetricFamily, port string, accelerate bool, want float64) (errs []error) {
+	for _, point := range []string{"client", "server"} {
+		labels := map[string]string{"point": point, "server_port": port, "meshwarp_accelerated": strconv.FormatBool(accelerate)}
+		if got := counterSum(fams["meshwarp_tcp_bytes_total"], labels); got != want {
+			errs = append(errs, fmt.Errorf("point %s: %.0f bytes, want %.0f", point, got, want))
+		}
+	}
+	return errs
 }

@@ -3,14 +3,14 @@
 package metrics
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http/httptest"
 	"strconv"
 	"testing"
-	"time"
+
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/testutil"
@@ -116,29 +116,15 @@ func TestPrivilegedHTTPRecognizedFromTheFirstBytes(t *testing.T) {
 				defer srv.Close()
 				port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
 				wantBytes := float64(len(tc.first) + len(tc.second) + len(tc.reply) + exchanges*(len(request)+len(response)))
-				deadline := time.Now().Add(10 * time.Second)
-				for {
-					fams := scrape(t, srv.URL)
-					var errs []error
+				eventually(t, srv.URL, func(fams map[string]*dto.MetricFamily) []error {
+					errs := tcpBytesErrors(fams, port, accelerate, wantBytes)
 					for _, side := range []string{"http_server_request_duration_seconds", "http_client_request_duration_seconds"} {
 						if n := histCount(fams[side], map[string]string{"server_port": port}); n != uint64(tc.wantHTTP) {
 							errs = append(errs, fmt.Errorf("%s: %d requests, want %d", side, n, tc.wantHTTP))
 						}
 					}
-					for _, point := range []string{"client", "server"} {
-						labels := map[string]string{"point": point, "server_port": port, "meshwarp_accelerated": strconv.FormatBool(accelerate)}
-						if got := counterSum(fams["meshwarp_tcp_bytes_total"], labels); got != wantBytes {
-							errs = append(errs, fmt.Errorf("point %s: %.0f bytes, want %.0f", point, got, wantBytes))
-						}
-					}
-					if len(errs) == 0 {
-						break
-					}
-					if time.Now().After(deadline) {
-						t.Fatal(errors.Join(errs...))
-					}
-					time.Sleep(50 * time.Millisecond)
-				}
+					return errs
+				})
 			})
 		}
 	}
