@@ -360,6 +360,15 @@ struct mw_sk_state {
 	__u32 run_msgs;  /* and their count */
 	__u32 left;      /* left mw_sock_hash after its connection went to TCP (plain TCP since) */
 	__u64 redir_ns;  /* coarse clock at its last redirect (fin_order.h) */
+	/*
+	 * The redirect budget (redirect.h, over_budget): this direction's own,
+	 * 0 until its first look at the peer's backlog; and that look's backlog
+	 * and sent (low 32 bits), to tell what the reader took since.
+	 */
+	__u32 budget;
+	__u32 seen_backlog;
+	__u32 seen_sent;
+	__u32 _pad;
 };
 
 /*

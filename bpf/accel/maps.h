@@ -24,8 +24,12 @@ const volatile __u32 inbound_capture_port;
  * the handshake's last ACK is lost.
  */
 const volatile __u64 unpaired_timeout_ns;
-/* Unread redirected bytes a receiver may hold before its sender falls back to TCP. */
+/*
+ * Unread redirected bytes a receiver may hold before its sender falls back
+ * to TCP, and how far that grows for a reader that keeps up (over_budget).
+ */
 const volatile __u32 redirect_budget_bytes;
+const volatile __u32 redirect_budget_max_bytes;
 /*
  * Pages of TCP memory the node's counter may not show yet: each CPU holds up
  * to net.core.mem_pcpu_rsv pages before it adds them (tcp_memory_tight).

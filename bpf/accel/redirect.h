@@ -112,26 +112,68 @@ static __always_inline bool switch_point(struct mw_conn *c, struct mw_sk_state *
 	return own_dir_drained(c, dir_index(st->role), (struct sock *)tp, 2);
 }
 
+#define MW_SOCK_RCVBUF_LOCK 2 /* sk_userlocks: SO_RCVBUF set (include/net/sock.h) */
+
 /*
- * Whether redirecting size more bytes would leave the peer more than
- * redirect_budget_bytes unread. Only this socket fills the peer's redirect
+ * How far a direction's budget may grow: to redirect_budget_max_bytes, and
+ * not past what TCP lets the receiver's buffer grow to (its netns's
+ * tcp_rmem[2]); not at all when the receiver fixed its buffer with
+ * SO_RCVBUF (TCP does not grow that one either). Probe reads through the
+ * peer, only when the budget is to grow.
+ */
+static __always_inline __u32 budget_ceiling(__u64 peer_sk)
+{
+	struct sock *sk = (struct sock *)peer_sk;
+	struct net *net;
+	int rmem_max = 0;
+
+	if (!sk || BPF_CORE_READ_BITFIELD_PROBED(sk, sk_userlocks) & MW_SOCK_RCVBUF_LOCK)
+		return 0;
+	net = BPF_CORE_READ(sk, __sk_common.skc_net.net);
+	if (!net || bpf_core_read(&rmem_max, sizeof(rmem_max), &net->ipv4.sysctl_tcp_rmem[2]) || rmem_max < 0)
+		return 0;
+	return (__u32)rmem_max < redirect_budget_max_bytes ? (__u32)rmem_max : redirect_budget_max_bytes;
+}
+
+/*
+ * Whether redirecting size more bytes would leave the peer more than this
+ * direction's budget unread. Only this socket fills the peer's redirect
  * queue and only its reader empties it, so the budget left at the last read
  * of the peer's backlog (st->credit) is a lower bound of what is left now:
  * the backlog (probe reads through the peer) is read again only when a
  * message needs more than that.
+ *
+ * The budget starts at redirect_budget_bytes and doubles, up to
+ * budget_ceiling, each time the reader took at least half of it between two
+ * looks: as TCP grows the receive buffer of an application that reads
+ * quickly, so that a reader that keeps up but stalls for a moment (a
+ * preempted process) does not send its stream to TCP for good. A reader
+ * that never reads keeps the first budget.
  */
 static __always_inline bool over_budget(struct mw_sk_state *st, __u32 size)
 {
-	__u32 backlog;
+	__u32 backlog, budget, ceiling;
+	__s64 taken;
 
 	if (size <= st->credit) {
 		st->credit -= size;
 		return false;
 	}
 	backlog = peer_backlog(st->peer_sk);
-	if (backlog + size > redirect_budget_bytes)
+	budget = st->budget ? st->budget : redirect_budget_bytes;
+	/* What the reader took since the last look: that backlog, plus what was redirected since, less this one. */
+	taken = (__s64)st->seen_backlog + (__u32)((__u32)st->sent - st->seen_sent) - (__s64)backlog;
+	if (st->budget && taken >= budget / 2) {
+		ceiling = budget_ceiling(st->peer_sk);
+		if (ceiling > budget)
+			budget = (__u64)budget * 2 < ceiling ? budget * 2 : ceiling;
+	}
+	st->budget = budget;
+	st->seen_backlog = backlog;
+	st->seen_sent = (__u32)st->sent;
+	if ((__u64)backlog + size > budget)
 		return true;
-	st->credit = redirect_budget_bytes - backlog - size;
+	st->credit = budget - backlog - size;
 	return false;
 }
 
@@ -196,7 +238,7 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 		}
 		/*
 		 * The redirect ignores the receiver's buffer limits. Once the
-		 * receiver has more than redirect_budget_bytes unread, or the
+		 * receiver has more than its budget unread (over_budget), or the
 		 * node's TCP memory is tight (where the redirect would fail with
 		 * ENOMEM), this direction continues on TCP for good, whose flow
 		 * control then blocks the writer. Order holds as in to_tcp.

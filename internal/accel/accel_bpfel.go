@@ -233,22 +233,26 @@ const (
 )
 
 type accelMwSkState struct {
-	_        structs.HostLayout
-	Peer     accelMwSockKey
-	Role     uint32
-	Decision uint32
-	Reason   uint32
-	Hop      uint32
-	OwnsConn uint32
-	Paired   uint32
-	Credit   uint32
-	_        [4]byte
-	PeerSk   uint64
-	Sent     uint64
-	RunBytes uint64
-	RunMsgs  uint32
-	Left     uint32
-	RedirNs  uint64
+	_           structs.HostLayout
+	Peer        accelMwSockKey
+	Role        uint32
+	Decision    uint32
+	Reason      uint32
+	Hop         uint32
+	OwnsConn    uint32
+	Paired      uint32
+	Credit      uint32
+	_           [4]byte
+	PeerSk      uint64
+	Sent        uint64
+	RunBytes    uint64
+	RunMsgs     uint32
+	Left        uint32
+	RedirNs     uint64
+	Budget      uint32
+	SeenBacklog uint32
+	SeenSent    uint32
+	Pad         uint32
 }
 
 type accelMwSock struct {
@@ -401,6 +405,7 @@ const (
 	accelVarObserve                = "observe"
 	accelVarOutboundCapturePort    = "outbound_capture_port"
 	accelVarRedirectBudgetBytes    = "redirect_budget_bytes"
+	accelVarRedirectBudgetMaxBytes = "redirect_budget_max_bytes"
 	accelVarSidecarUid             = "sidecar_uid"
 	accelVarStreamRunMsgs          = "stream_run_msgs"
 	accelVarStreamSmallBytesLocal  = "stream_small_bytes_local"
@@ -517,6 +522,7 @@ type accelVariableSpecs struct {
 	Observe                *ebpf.VariableSpec `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.VariableSpec `ebpf:"outbound_capture_port"`
 	RedirectBudgetBytes    *ebpf.VariableSpec `ebpf:"redirect_budget_bytes"`
+	RedirectBudgetMaxBytes *ebpf.VariableSpec `ebpf:"redirect_budget_max_bytes"`
 	SidecarUid             *ebpf.VariableSpec `ebpf:"sidecar_uid"`
 	StreamRunMsgs          *ebpf.VariableSpec `ebpf:"stream_run_msgs"`
 	StreamSmallBytesLocal  *ebpf.VariableSpec `ebpf:"stream_small_bytes_local"`
@@ -610,6 +616,7 @@ type accelVariables struct {
 	Observe                *ebpf.Variable `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.Variable `ebpf:"outbound_capture_port"`
 	RedirectBudgetBytes    *ebpf.Variable `ebpf:"redirect_budget_bytes"`
+	RedirectBudgetMaxBytes *ebpf.Variable `ebpf:"redirect_budget_max_bytes"`
 	SidecarUid             *ebpf.Variable `ebpf:"sidecar_uid"`
 	StreamRunMsgs          *ebpf.Variable `ebpf:"stream_run_msgs"`
 	StreamSmallBytesLocal  *ebpf.Variable `ebpf:"stream_small_bytes_local"`

@@ -6,6 +6,7 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"runtime"
 	"strconv"
@@ -40,9 +41,19 @@ const DefaultUnpairedTimeout = 10 * time.Millisecond
 // DefaultRedirectBudget bounds the redirected bytes a receiver may leave
 // unread before its sender continues on TCP: the redirect itself ignores the
 // receiver's buffer limits, TCP's flow control does not. With TCP's own
-// buffers on top, a writer to a reader that stops blocks after a few MB, as
-// on plain TCP.
+// buffers on top, a writer to a reader that never reads blocks after a few
+// MB, as on plain TCP.
 const DefaultRedirectBudget = 1 << 20
+
+// RedirectBudgetGrowth: for a reader that keeps up the budget grows, as TCP
+// grows such a reader's receive buffer. It doubles each time the reader
+// took half of it between two looks at its backlog, up to this many times
+// RedirectBudget and at most the receiver's tcp_rmem[2] (not at all when the
+// receiver set SO_RCVBUF), so that a reader stalled for a moment (a
+// preempted process) does not send a fast stream to TCP for good. A writer
+// whose reader kept up and then stops blocks after the grown budget and
+// TCP's buffers.
+const RedirectBudgetGrowth = 4
 
 // Small-message streams (reason small_stream): a connection whose one side
 // writes SmallStreamRun messages without a message back, averaging fewer
@@ -126,6 +137,7 @@ func dataPathConstants(v *accelVariableSpecs, cfg Config) []constant {
 		{v.InboundCapturePort, uint32(cfg.InboundPort)},
 		{v.UnpairedTimeoutNs, uint64(cfg.UnpairedTimeout.Nanoseconds())},
 		{v.RedirectBudgetBytes, cfg.RedirectBudget},
+		{v.RedirectBudgetMaxBytes, uint32(min(uint64(cfg.RedirectBudget)*RedirectBudgetGrowth, math.MaxUint32))},
 		{v.TcpMemSlackPages, tcpMemSlackPages()},
 		{v.StreamRunMsgs, run},
 		{v.StreamSmallBytesLocal, uint32(SmallStreamLocalBytes)},

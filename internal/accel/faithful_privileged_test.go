@@ -8,7 +8,10 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"slices"
+	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -513,4 +516,112 @@ func nonZero(m map[string]uint64) map[string]uint64 {
 		}
 	}
 	return out
+}
+
+// tcpRmemMax is the host's net.ipv4.tcp_rmem[2]: how far TCP grows the
+// receive buffer of an application that reads quickly, and so how far the
+// redirect budget grows for such a reader.
+func tcpRmemMax(t *testing.T) int64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/sys/net/ipv4/tcp_rmem")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := strings.Fields(string(b))
+	if len(f) != 3 {
+		t.Fatalf("tcp_rmem %q: want three values", b)
+	}
+	v, err := strconv.ParseInt(f[2], 10, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
+// A reader that keeps up, then stalls while the writer goes on (a
+// preempted process), then stops for good. TCP grows the receive buffer of
+// a reader that keeps up, so the writer gets rid of more during the stall;
+// the redirect grows its budget alike, so the stall does not send the
+// connection to TCP. When the reader stops for good the writer still
+// blocks, and every byte arrives in order.
+func TestPrivilegedFaithfulReaderThatKeepsUp(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	// More than the first budget, less than the budget grown.
+	grown := min(int64(DefaultRedirectBudget*RedirectBudgetGrowth), tcpRmemMax(t))
+	stall := grown - 1<<20
+	if stall <= DefaultRedirectBudget {
+		t.Fatalf("the redirect budget grows only to %d bytes here (tcp_rmem[2]): too little for a stall over the first budget (%d)", grown, DefaultRedirectBudget)
+	}
+	const bound = 16 << 20 // as in TestPrivilegedFaithfulSlowReader
+	for _, fixedBuffer := range []bool{false, true} {
+		t.Run(map[bool]string{false: "autotuned", true: "SO_RCVBUF"}[fixedBuffer], func(t *testing.T) {
+			readerKeepsUp(t, fixedBuffer, stall, bound)
+		})
+	}
+}
+
+// readerKeepsUp: see TestPrivilegedFaithfulReaderThatKeepsUp. fixedBuffer:
+// the reader sets SO_RCVBUF, so neither TCP nor the redirect grows its
+// buffer, and the stall sends the connection to TCP (backpressure).
+func readerKeepsUp(t *testing.T, fixedBuffer bool, stall, bound int64) {
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		client, server := loopbackPair(t, a)
+		if fixedBuffer {
+			if err := server.(*net.TCPConn).SetReadBuffer(256 << 10); err != nil {
+				t.Fatal(err)
+			}
+		}
+		d := &streamDir{w: client, r: server}
+		for range 16 {
+			if err := d.send(8, func(int) int { return 64 << 10 }); err != nil {
+				t.Fatal(err)
+			}
+			if err := d.recv(d.written, false, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+		written, err := writeUntilBlocked(client, d.written, d.written+stall)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("stall: the writer got rid of %d bytes", written-d.written)
+		d.written = written
+		if err := d.recv(d.written, false, false); err != nil {
+			t.Fatal(err)
+		}
+		if a != nil && !fixedBuffer {
+			if s := stats(t, a); s.PassthroughConnections["backpressure"] != 0 {
+				t.Fatalf("a stall of %d bytes sent a reader that keeps up to TCP: %v", stall, s.PassthroughConnections)
+			}
+			if !inSockhash(t, a, client) || !inSockhash(t, a, server) {
+				t.Fatal("a socket left the SOCKHASH during the stall")
+			}
+		}
+		if a != nil && fixedBuffer {
+			if s := stats(t, a); s.PassthroughConnections["backpressure"] == 0 {
+				t.Fatalf("a reader with SO_RCVBUF set was given more than the first budget: %v", s.PassthroughConnections)
+			}
+		}
+		// The reader stops for good.
+		written, err = writeUntilBlocked(client, d.written, d.written+bound)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("stopped: the writer blocked after %d bytes", written-d.written)
+		if written-d.written >= bound {
+			t.Fatalf("a writer to a receiver that stopped got rid of %d bytes without blocking", written-d.written)
+		}
+		d.written = written
+		if err := client.(*net.TCPConn).CloseWrite(); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.recv(d.written, false, true); err != nil {
+			t.Fatal(err)
+		}
+		if a != nil {
+			if s := stats(t, a); s.PassthroughConnections["backpressure"] == 0 {
+				t.Fatalf("the writer blocked without going to TCP: %v", s.PassthroughConnections)
+			}
+		}
+	})
 }

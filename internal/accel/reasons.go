@@ -30,7 +30,7 @@ var reasonDocs = []reasonDoc{
 	{name: "sockmap_busy", text: "another program's sockmap already runs an sk_msg program on the socket"},
 	{name: "key_collision", text: "two live connections drew the same identity (both left to TCP)"},
 	{name: "addr_mismatch", text: "the peer saw another source address (SNAT): not provably a pair"},
-	{name: "backpressure", text: "the receiver left more than the redirect budget unread, or the node's TCP memory reached its pressure threshold (tcp_mem): that direction continues on TCP, whose flow control blocks the writer, and so does the whole connection: its sockets leave like small_stream's (with --keep-small-streams: that direction only, the sockets stay)"},
+	{name: "backpressure", text: "the receiver left more than its redirect budget unread (1 MB, grown for a reader that keeps up), or the node's TCP memory reached its pressure threshold (tcp_mem): that direction continues on TCP, whose flow control blocks the writer, and so does the whole connection: its sockets leave like small_stream's (with --keep-small-streams: that direction only, the sockets stay)"},
 	{name: "small_stream", text: "one side wrote 16 messages without a message back, averaging under 32 KB (loopback) or 256 B (across pods): TCP coalesces such writes, the redirect pays per write, so the connection continues on TCP (run --keep-small-streams turns this off)"},
 	{name: "send_shutdown", text: "a write after shutdown(SHUT_WR): TCP answers EPIPE (messages only)"},
 	{name: "tcp_repair", text: "a socket in TCP_REPAIR mode (its sequence numbers prove nothing)"},
