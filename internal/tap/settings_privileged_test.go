@@ -36,10 +36,11 @@ func TestPrivilegedTapKeepsAgentSettings(t *testing.T) {
 		want        map[string]uint64
 	}{
 		{"defaults", accel.Config{}, true, map[string]uint64{
-			"stream_run_msgs":       accel.SmallStreamRun,
-			"redirect_budget_bytes": accel.DefaultRedirectBudget,
-			"sidecar_uid":           accel.DefaultSidecarUID,
-			"observe":               0,
+			"stream_run_msgs":           accel.SmallStreamRun,
+			"redirect_budget_bytes":     accel.DefaultRedirectBudget,
+			"redirect_budget_max_bytes": accel.DefaultRedirectBudget * accel.RedirectBudgetGrowth,
+			"sidecar_uid":               accel.DefaultSidecarUID,
+			"observe":                   0,
 		}},
 		{"non-default", accel.Config{
 			KeepSmallStreams: true,
@@ -50,13 +51,14 @@ func TestPrivilegedTapKeepsAgentSettings(t *testing.T) {
 			UnpairedTimeout:  25 * time.Millisecond,
 			Observe:          true,
 		}, false, map[string]uint64{
-			"stream_run_msgs":       0,
-			"redirect_budget_bytes": 3 << 20,
-			"sidecar_uid":           4242,
-			"outbound_capture_port": 16001,
-			"inbound_capture_port":  16006,
-			"unpaired_timeout_ns":   uint64(25 * time.Millisecond),
-			"observe":               1,
+			"stream_run_msgs":           0,
+			"redirect_budget_bytes":     3 << 20,
+			"redirect_budget_max_bytes": (3 << 20) * accel.RedirectBudgetGrowth,
+			"sidecar_uid":               4242,
+			"outbound_capture_port":     16001,
+			"inbound_capture_port":      16006,
+			"unpaired_timeout_ns":       uint64(25 * time.Millisecond),
+			"observe":                   1,
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
