@@ -92,8 +92,7 @@ func TestPrivilegedTCPBytesExact(t *testing.T) {
 				if err := <-done; err != nil {
 					t.Fatal(err)
 				}
-				srv := httptest.NewServer(Handler(a.Stats, a.Flows))
-				defer srv.Close()
+				url := metricsURL(t, a)
 				labels := func(point string) map[string]string {
 					return map[string]string{
 						"point": point, "server_port": strconv.Itoa(ln.Addr().(*net.TCPAddr).Port),
@@ -101,7 +100,7 @@ func TestPrivilegedTCPBytesExact(t *testing.T) {
 					}
 				}
 				want := float64(conns * (request + tc.response))
-				eventually(t, srv.URL, func(fams map[string]*dto.MetricFamily) (errs []error) {
+				eventually(t, url, func(fams map[string]*dto.MetricFamily) (errs []error) {
 					for _, point := range []string{"client", "server"} {
 						if got := counterSum(fams["meshwarp_tcp_bytes_total"], labels(point)); got != want {
 							errs = append(errs, fmt.Errorf("point %s: %.0f bytes, want %.0f", point, got, want))
@@ -211,15 +210,21 @@ func TestPrivilegedTCPBytesExactTinySegments(t *testing.T) {
 			if err := <-done; err != nil {
 				t.Fatal(err)
 			}
-			srv := httptest.NewServer(Handler(a.Stats, a.Flows))
-			defer srv.Close()
+			url := metricsURL(t, a)
 			want := float64(2 * maxSize * (maxSize + 1) / 2) // 1..12 bytes each way
 			port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
-			eventually(t, srv.URL, func(fams map[string]*dto.MetricFamily) []error {
+			eventually(t, url, func(fams map[string]*dto.MetricFamily) []error {
 				return tcpBytesErrors(fams, port, accelerate, want)
 			})
 		})
 	}
+}
+
+// metricsURL serves a's metrics (Handler) until the test ends.
+func metricsURL(t *testing.T, a *accel.Agent) string {
+	srv := httptest.NewServer(Handler(a.Stats, a.Flows))
+	t.Cleanup(srv.Close)
+	return srv.URL
 }
 
 // eventually scrapes url until check finds nothing wrong (connections end,

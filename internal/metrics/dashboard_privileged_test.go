@@ -101,8 +101,7 @@ func TestPrivilegedDashboardMetricsExist(t *testing.T) {
 	used = slices.Compact(used)
 
 	a := agenttest.Start(t, accel.Config{Observe: true})
-	srv := httptest.NewServer(Handler(a.Stats, a.Flows))
-	defer srv.Close()
+	url := metricsURL(t, a)
 	// The RED series exist once there was a request, a reset and a failed connect.
 	app := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
 	defer app.Close()
@@ -115,7 +114,7 @@ func TestPrivilegedDashboardMetricsExist(t *testing.T) {
 	}
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		families := scrape(t, srv.URL)
+		families := scrape(t, url)
 		var missing []string
 		for _, name := range used {
 			name = strings.TrimSuffix(strings.TrimSuffix(strings.TrimSuffix(name, "_bucket"), "_count"), "_sum")

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http/httptest"
 	"strconv"
 	"testing"
 
@@ -112,11 +111,10 @@ func TestPrivilegedHTTPRecognizedFromTheFirstBytes(t *testing.T) {
 					t.Fatal(err)
 				}
 
-				srv := httptest.NewServer(Handler(a.Stats, a.Flows))
-				defer srv.Close()
+				url := metricsURL(t, a)
 				port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
 				wantBytes := float64(len(tc.first) + len(tc.second) + len(tc.reply) + exchanges*(len(request)+len(response)))
-				eventually(t, srv.URL, func(fams map[string]*dto.MetricFamily) []error {
+				eventually(t, url, func(fams map[string]*dto.MetricFamily) []error {
 					errs := tcpBytesErrors(fams, port, accelerate, wantBytes)
 					for _, side := range []string{"http_server_request_duration_seconds", "http_client_request_duration_seconds"} {
 						if n := histCount(fams[side], map[string]string{"server_port": port}); n != uint64(tc.wantHTTP) {

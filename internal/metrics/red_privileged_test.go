@@ -102,14 +102,13 @@ func TestPrivilegedREDMetrics(t *testing.T) {
 				t.Fatalf("dial %s: %v, want connection refused", closed, err)
 			}
 
-			srv := httptest.NewServer(Handler(a.Stats, a.Flows))
-			defer srv.Close()
+			url := metricsURL(t, a)
 			wantLabel := strconv.FormatBool(accelerate)
 			p := strconv.Itoa(port)
 			// Connections end asynchronously (FIN handshakes): poll until they are counted.
 			deadline := time.Now().Add(10 * time.Second)
 			for {
-				fams := scrape(t, srv.URL)
+				fams := scrape(t, url)
 				var errs []error
 				for _, side := range []string{"http_server_request_duration_seconds", "http_client_request_duration_seconds"} {
 					for _, w := range []struct {
@@ -151,7 +150,7 @@ func TestPrivilegedREDMetrics(t *testing.T) {
 				time.Sleep(50 * time.Millisecond)
 			}
 			// Buckets fine enough for tens of microseconds.
-			if h := scrape(t, srv.URL)["http_server_request_duration_seconds"]; h == nil || h.Metric[0].Histogram.Bucket[0].GetUpperBound() > 10e-6 {
+			if h := scrape(t, url)["http_server_request_duration_seconds"]; h == nil || h.Metric[0].Histogram.Bucket[0].GetUpperBound() > 10e-6 {
 				t.Errorf("the first bucket is not <= 10us")
 			}
 		})
