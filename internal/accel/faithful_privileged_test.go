@@ -519,8 +519,8 @@ func nonZero(m map[string]uint64) map[string]uint64 {
 }
 
 // tcpRmemMax is the host's net.ipv4.tcp_rmem[2]: how far TCP grows the
-// receive buffer of an application that reads quickly, and so how far the
-// redirect budget grows for such a reader.
+// receive buffer of an application that reads quickly, and so a bound on
+// how far the redirect budget grows for such a reader.
 func tcpRmemMax(t *testing.T) int64 {
 	t.Helper()
 	b, err := os.ReadFile("/proc/sys/net/ipv4/tcp_rmem")
