@@ -40,25 +40,27 @@ fi
 cache=${MESHWARP_VM_CACHE:-/var/lib/meshwarp-vmtest}
 # The guest's test binaries each have a timeout (go test -timeout), which
 # names the test that hangs; the VM's wall-clock timeout covers all of them
-# in a row plus boot and `meshwarp probe` (5 minutes), so it ends only a
-# guest that hangs outside the tests. A VM takes about 8 minutes; two at
-# their limit (60 minutes) and the rest of CI (about 13) stay under the 90
-# minutes CI allows.
-probe_timeout_s=300 accel_timeout_s=720 retry_timeout_s=480
+# in a row plus boot and `meshwarp probe` (4 minutes), so it ends only a
+# guest that hangs outside the tests. A VM takes 9-13 minutes (its accel
+# tests 400-600 s, of which TestPrivilegedLifecycleUnderLoad 180-300 s);
+# two at their limit (66 minutes) and the rest of CI (about 10) stay under
+# the 90 minutes CI allows.
+probe_timeout_s=240 accel_timeout_s=1080 retry_timeout_s=360
 timeout_s=${MESHWARP_VM_TIMEOUT:-$((probe_timeout_s + accel_timeout_s + retry_timeout_s + 300))}
 
-# What proves a kernel, chosen for the emulation budget (about 4-6 minutes a
-# kernel): pairing and identity (loopback, across namespaces, NAT port remap,
+# What proves a kernel, chosen for the emulation budget (see above):
+# pairing and identity (loopback, across namespaces, NAT port remap,
 # colliding tuples), byte integrity, the socket API compatibility suite, the
 # TCP guarantees (FIONREAD, backpressure, shutdown, early writes; a writer
 # at the node's TCP memory limit, which only a VM may lower), the
 # small-stream switch and socket removal (what reads the psock's queue, which
-# differs by kernel), and the lifecycle (kill, adopt, upgrade, uninstall under
-# load; a refused upgrade; another tool's sockmap beside ours: what the sk_msg
-# attach mechanism changes).
-accel_tests='NodeMemoryPressureBlocksWriter|IntegrityLoopback|IntegrityAcrossNetns|NetnsIsolationCollidingTuples|NoPathSwitchMidStream|PairAcrossSourcePortRemap|Compat|AdmissionOutsideClientDuringConnect|NoHarmServerOutsideCgroup|NoHarmPassthroughFIONREAD|Faithful(SlowReader|SendAfterShutdown|EarlyWriteKeepsOrder|LearnedFIONREAD)|SmallStreamSwitchKeepsEveryByte|DownloadSocketsLeave|DownloadWhileUploadingKeepsEveryByte|FallbackSockhashFull|UpgradeToOtherLayoutRefused|CoexistOtherSockmapUser'
+# differs by kernel; a close that unlinks a socket before its FIN), and the
+# lifecycle (kill, adopt, upgrade, uninstall under load; a refused upgrade;
+# another tool's sockmap beside ours: what the sk_msg attach mechanism
+# changes).
+accel_tests='NodeMemoryPressureBlocksWriter|IntegrityLoopback|IntegrityAcrossNetns|NetnsIsolationCollidingTuples|NoPathSwitchMidStream|PairAcrossSourcePortRemap|Compat|AdmissionOutsideClientDuringConnect|NoHarmServerOutsideCgroup|NoHarmPassthroughFIONREAD|Faithful(SlowReader|SendAfterShutdown|EarlyWriteKeepsOrder|LearnedFIONREAD)|SmallStreamSwitchKeepsEveryByte|SwitchThenCloseCountsEverySocket|DownloadSocketsLeave|DownloadWhileUploadingKeepsEveryByte|FallbackSockhashFull|UpgradeToOtherLayoutRefused|CoexistOtherSockmapUser'
 # TestPrivilegedLifecycleUnderLoad (kill, adopt, upgrade, uninstall under
-# load) takes 130-150 s here, about 6x the host; its streams' deadline is a
+# load) takes 180-300 s here, about 10x the host; its streams' deadline is a
 # time without progress, not a lifetime (it failed as "i/o timeout" when it
 # was a lifetime of 2 minutes).
 accel_tests+='|LifecycleUnderLoad'

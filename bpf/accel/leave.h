@@ -255,11 +255,18 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 	    !own_dir_drained(c, me, (struct sock *)tp, receiving ? 1 : 2))
 		return;
 	c->dir[me] = MW_DIR_DRAINED;
-	/* Fails where the leave poll took it out first: counted there. */
-	if (bpf_map_delete_elem(&mw_sock_hash, &key) == 0)
-		count_left(c->to_tcp_reason);
 	st->left = 1;
-	st->paired = 0;
+	/*
+	 * Out of the hash already: the leave poll took it out (and counted it),
+	 * or its application closed it (close() unlinks it before the FIN that
+	 * brings us here): on_close counts that one.
+	 */
+	if (bpf_map_delete_elem(&mw_sock_hash, &key) == 0) {
+		count_left(c->to_tcp_reason);
+		st->paired = 0;
+	} else if (c->left_by_poll & (1u << (me & 1))) {
+		st->paired = 0;
+	}
 done:
 	stop_leave_checks(skops, cb_flags, MW_LEAVE_CHECK_FLAGS);
 }

@@ -90,14 +90,23 @@ func requireShare(t *testing.T, d Stats, conns int, frac float64) {
 // closing (TCP state callbacks run as the FIN handshakes complete).
 func waitNoAcceleratedSockets(t *testing.T, a *Agent) {
 	t.Helper()
+	waitAcceleratedSockets(t, a, 0)
+}
+
+// waitAcceleratedSockets polls until the accelerated_sockets gauge is want.
+// The gauge is clamped at 0, so a socket counted gone twice shows only as a
+// gauge below a want of open sockets.
+func waitAcceleratedSockets(t *testing.T, a *Agent, want uint64) {
+	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		s := stats(t, a)
-		if s.AcceleratedSockets == 0 {
+		if s.AcceleratedSockets == want {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("accelerated_sockets gauge stuck at %d after every connection closed (paired %d)", s.AcceleratedSockets, s.PairedSockets)
+			t.Fatalf("accelerated_sockets gauge stuck at %d, want %d once the other connections closed (paired %d, left %d)",
+				s.AcceleratedSockets, want, s.PairedSockets, s.LeftSockets)
 		}
 		time.Sleep(20 * time.Millisecond) // polling interval, not synchronisation
 	}

@@ -665,3 +665,110 @@ func TestPrivilegedDownloadWhileUploadingKeepsEveryByte(t *testing.T) {
 		}
 	})
 }
+
+// A connection that goes to TCP and is closed at once, before its sockets
+// left the SOCKHASH (at a packet or by the leave poll), still counts each
+// of its sockets gone exactly once: closed, or left. The socket closed
+// first is unlinked from the SOCKHASH by close() itself, before the FIN
+// that asks it to leave. Either side closes first (the server with bytes
+// unread: a reset); the client's bytes arrive in order before its EOF. A
+// connection kept open meanwhile makes a double count visible: the gauge
+// must end at its 2 sockets.
+func TestPrivilegedSwitchThenCloseCountsEverySocket(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	const conns = 48
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		ln := mustListen(t, "127.0.0.1:0")
+		defer ln.Close()
+		dial := dialer(ln.Addr().String())
+		var before Stats
+		if a != nil {
+			before = stats(t, a)
+		}
+		inAtClose := 0
+		var open int
+		if a != nil {
+			open = 2
+			kept, kept2 := pairedConn(t, a, ln, dial)
+			defer kept.Close()
+			defer kept2.Close()
+		}
+		for i := range conns {
+			client, server := pairedConn(t, a, ln, dial)
+			up := &streamDir{w: client, r: server}
+			down := &streamDir{w: server, r: client}
+			// The server redirected once: its direction is not quiet, so the
+			// client's switch does not take the client out at its own packet.
+			if err := down.send(1, smallSize); err != nil {
+				t.Fatal(err)
+			}
+			if err := down.recv(down.written, false, false); err != nil {
+				t.Fatal(err)
+			}
+			// A one-way run of small writes, each read before the next, up
+			// to the one that ends a small stream: the first write below
+			// switches to TCP, at a drained point.
+			for j := range SmallStreamRun - 1 {
+				if err := up.send(1, func(int) int { return j%64 + 1 }); err != nil {
+					t.Fatal(err)
+				}
+				if err := up.recv(up.written, false, false); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// The server acknowledges late: no packet of its own takes the
+			// client out before it closes.
+			delayAcks(t, server)
+			if err := up.send(4, smallSize); err != nil {
+				t.Fatal(err)
+			}
+			// Who closes first alternates.
+			first, second, r := client, server, up
+			if i%2 == 1 {
+				first, second = server, client
+			}
+			if a != nil && inSockhash(t, a, first) {
+				inAtClose++
+			}
+			if err := first.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if first == client {
+				if err := r.recv(r.written, false, true); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := second.Close(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if a != nil {
+			d := stats(t, a).Sub(before)
+			logSwitches(t, d)
+			if d.PassthroughConnections["small_stream"] < conns {
+				t.Fatalf("%d of %d connections went to TCP as small streams: the switch was not exercised", d.PassthroughConnections["small_stream"], conns)
+			}
+			if inAtClose == 0 {
+				t.Fatal("every socket left the SOCKHASH before its close: the close of one still in it was not exercised")
+			}
+			t.Logf("%d of %d closed first while still in the SOCKHASH", inAtClose, conns)
+			waitAcceleratedSockets(t, a, uint64(open))
+		}
+	})
+}
+
+// delayAcks turns TCP_QUICKACK off: c's next ACK waits for the delayed-ACK timer.
+func delayAcks(t *testing.T, c net.Conn) {
+	t.Helper()
+	raw, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var serr error
+	if err := raw.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_QUICKACK, 0) }); err != nil {
+		t.Fatal(err)
+	}
+	if serr != nil {
+		t.Fatal(serr)
+	}
+}
