@@ -291,7 +291,7 @@ struct mw_conn {
 	enum mw_hop hop;                 /* written before state becomes PAIRED */
 	__u32 active_is_sidecar;         /* the connecting socket belongs to the sidecar uid */
 	__u32 pending_us;                /* when it became PENDING: mw_now_us(), wraps in 73 min */
-	__u32 left_by_poll;              /* bit role - 1: the leave poll took that socket out (leave.h) */
+	__u32 counted_out;               /* bit role - 1: that socket is counted out of accelerated_sockets (leave.h) */
 	/*
 	 * Kernel addresses of the two sockets (struct sock), for reading the
 	 * peer's redirect queue depth with bpf_probe_read_kernel. Read only while

@@ -199,6 +199,45 @@ static __always_inline void count_left(enum mw_reason reason)
 		cnt->sockets_removed[reason]++;
 }
 
+static __always_inline void count_closed(void)
+{
+	struct mw_counters *cnt = counters();
+
+	if (cnt)
+		cnt->sockets_closed++;
+}
+
+/*
+ * Whether the caller is the one to count the socket of role index me of a
+ * PAIRED connection out of accelerated_sockets (as left or closed): the
+ * first to set its bit in c->counted_out. A leave at a packet, the leave
+ * poll and the closes race for it; each socket is counted exactly once.
+ */
+static __always_inline bool claim_count(struct mw_conn *c, __u32 me)
+{
+	__u32 bit = 1u << (me & 1);
+
+	return !(__sync_fetch_and_or(&c->counted_out, bit) & bit);
+}
+
+/*
+ * Take the socket of role index me out of mw_sock_hash, and count it out
+ * unless counted already. Out already (a failed delete) means its
+ * application closed it: close() unlinks it before its FIN. Counted closed.
+ */
+static __always_inline void leave_and_count(struct mw_conn *c, struct mw_sock_key *key, __u32 me)
+{
+	bool mine = claim_count(c, me);
+	long err = bpf_map_delete_elem(&mw_sock_hash, key);
+
+	if (!mine)
+		return;
+	if (err == 0)
+		count_left(c->to_tcp_reason);
+	else
+		count_closed();
+}
+
 /*
  * HDR_OPT_LEN_CB (the socket sends a TCP packet) and PARSE_HDR_OPT_CB (it
  * received one; the callback runs before the segment's bytes are queued). A
@@ -255,18 +294,9 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 	    !own_dir_drained(c, me, (struct sock *)tp, receiving ? 1 : 2))
 		return;
 	c->dir[me] = MW_DIR_DRAINED;
+	leave_and_count(c, &key, me);
 	st->left = 1;
-	/*
-	 * Out of the hash already: the leave poll took it out (and counted it),
-	 * or its application closed it (close() unlinks it before the FIN that
-	 * brings us here): on_close counts that one.
-	 */
-	if (bpf_map_delete_elem(&mw_sock_hash, &key) == 0) {
-		count_left(c->to_tcp_reason);
-		st->paired = 0;
-	} else if (c->left_by_poll & (1u << (me & 1))) {
-		st->paired = 0;
-	}
+	st->paired = 0;
 done:
 	stop_leave_checks(skops, cb_flags, MW_LEAVE_CHECK_FLAGS);
 }
@@ -283,15 +313,8 @@ static __always_inline bool leave_by_timer(const struct mw_conn_id *id, struct m
 	    !own_dir_drained(c, me, (struct sock *)self, 1))
 		return false;
 	c->dir[me & 1] = MW_DIR_DRAINED;
-	/*
-	 * Counted here, where it leaves; the socket's own state is not
-	 * reachable from the timer: left_by_poll keeps on_close from counting
-	 * it closed too (its next packet finds it out and counts nothing).
-	 */
-	if (bpf_map_delete_elem(&mw_sock_hash, &key) == 0) {
-		__sync_fetch_and_or(&c->left_by_poll, 1u << (me & 1));
-		count_left(c->to_tcp_reason);
-	}
+	/* Its next packet finds it out (and counted): it only marks its own state. */
+	leave_and_count(c, &key, me);
 	return true;
 }
 
@@ -325,40 +348,38 @@ static int on_leave_clock(void *map, __u32 *key, struct mw_leave_clock *clock)
 }
 
 /*
- * A passive socket closing after its active side (so no mw_conns entry to
- * ask), still marked paired: out of mw_sock_hash while its application
- * still holds it (no psock, not orphaned: close() unlinks it first, then
- * orphans it) means the leave poll took it out (a reset closes it without
- * a packet that would have settled its state). Not seen: one poll-removed,
- * then closed by its application, then reset before any packet (counted
- * closed as well).
+ * The close (STATE_CB to CLOSE) of a socket with pairing state. Counting:
+ * a socket of a PAIRED connection is counted out of accelerated_sockets
+ * once (claim_count), where it leaves or closes; the connecting side's
+ * close ends the connection (its mw_conns entry goes: nothing is redirected
+ * to or from the peer after that), so it counts the peer out too if it is
+ * still counted. A peer closing after it has nothing left to count.
  */
-static __always_inline bool left_by_poll(struct bpf_sock *sk)
-{
-	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
-
-	return tp && !psock_of((struct sock *)tp) && tp->inet_conn.icsk_inet.sk.sk_socket;
-}
-
 static __always_inline void on_close(struct bpf_sock *sk)
 {
 	struct mw_sk_state *st = pair_state(sk, false);
-	struct mw_counters *cnt;
-	bool was_paired;
 
 	if (!st)
 		return;
-	/* Not the current decision: it turns to PASSTHROUGH once the peer has closed. */
-	was_paired = st->paired;
 	if (st->owns_conn) {
 		struct mw_conn_id id = st->peer.conn;
 		struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &id);
 
-		/* The active side may never have sent, so it may not know yet. */
-		if (c && c->state == MW_CONN_PAIRED && !st->left)
-			was_paired = true;
-		if (c && (c->left_by_poll & 1))
-			was_paired = false; /* counted as left */
+		/*
+		 * A passive side in the middle of pairing (between its lookup and
+		 * its cmpxchg to PAIRED, a sock_hash_update apart) must not pair
+		 * with this closed socket: whichever cmpxchg comes first holds.
+		 */
+		if (c && c->state == MW_CONN_PENDING) {
+			c->reason = MW_REASON_PEER_CLOSED;
+			__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PASSTHROUGH);
+		}
+		if (c && c->state == MW_CONN_PAIRED) {
+			if (claim_count(c, 0))
+				count_closed();
+			if (claim_count(c, 1))
+				count_closed();
+		}
 		if (c)
 			obs_conn_end(sk, c, MW_ROLE_ACTIVE);
 		bpf_map_delete_elem(&mw_conns, &id);
@@ -367,23 +388,16 @@ static __always_inline void on_close(struct bpf_sock *sk)
 		/* Still there if the active side has not closed (it gave us its last bytes then). */
 		struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
 
-		if (c && (c->left_by_poll & 2))
-			was_paired = false; /* counted as left */
-		if (c)
+		if (c) {
+			if (c->state == MW_CONN_PAIRED && claim_count(c, 1))
+				count_closed();
 			obs_conn_end(sk, c, MW_ROLE_PASSIVE);
-		else if (was_paired)
+		} else if (st->paired) {
 			obs_passive_end(sk);
-		if (!c && was_paired && left_by_poll(sk))
-			was_paired = false;
-	}
-	if (was_paired) {
-		cnt = counters();
-		if (cnt)
-			cnt->sockets_closed++;
+		}
 	}
 	st->decision = MW_CONN_PASSTHROUGH;
 	st->reason = MW_REASON_PEER_CLOSED;
-	/* Counted once: a socket reconnected after connect(AF_UNSPEC) closes again. */
 	st->paired = 0;
 }
 

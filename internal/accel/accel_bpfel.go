@@ -47,7 +47,7 @@ type accelMwConn struct {
 	Hop             accelMwHop
 	ActiveIsSidecar uint32
 	PendingUs       uint32
-	LeftByPoll      uint32
+	CountedOut      uint32
 	ActiveSk        uint64
 	PassiveSk       uint64
 	ActiveNetns     uint64

@@ -75,7 +75,7 @@ type Counter struct {
 // for accelerated_sockets (TestCounterModelCoversCStruct).
 var counterModel = []Counter{
 	{Key: "accelerated_sockets", Metric: "meshwarp_accel_sockets", Gauge: true,
-		Help:   "Sockets currently accelerated (paired and not yet closed).",
+		Help:   "Sockets currently accelerated: paired, not left to TCP, and their connection not ended (closed by either side; the connecting side's close ends it for both).",
 		scalar: func(c *Counters) *uint64 { return &c.AcceleratedSockets }},
 	{Key: "redirected_bytes", Metric: "meshwarp_accel_redirected_bytes_total", field: "RedirectedBytes",
 		Help:   "Bytes moved socket-to-socket by sk_msg, skipping the TCP/IP stack.",

@@ -772,3 +772,71 @@ func delayAcks(t *testing.T, c net.Conn) {
 		t.Fatal(serr)
 	}
 }
+
+// Health checks and aborted clients: connections closed right after the
+// handshake, from several clients at once, by FIN or by a reset
+// (SO_LINGER 0) from either side, count each paired socket gone exactly
+// once (a connection kept open shows a double count as a gauge below its
+// 2). A server that resets after its client has closed (the client's close
+// ends its connection first) left its socket counted for good before.
+func TestPrivilegedAbortedConnectionsCountEverySocket(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	const workers, perWorker = 4, 300
+	forEachAgent(t, func(t *testing.T, a *Agent) {
+		ln := mustListen(t, "127.0.0.1:0")
+		defer ln.Close()
+		var open int
+		if a != nil {
+			open = 2
+			kept, kept2 := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+			defer kept.Close()
+			defer kept2.Close()
+		}
+		served := make(chan error, 1)
+		go func() {
+			for i := 0; ; i++ {
+				c, err := ln.Accept()
+				if err != nil {
+					served <- nil
+					return
+				}
+				if i%3 == 0 {
+					c.(*net.TCPConn).SetLinger(0)
+				}
+				go func() {
+					b := make([]byte, 1)
+					c.Read(b) // until the client's FIN or reset
+					c.Close()
+				}()
+			}
+		}()
+		var wg sync.WaitGroup
+		errs := make([]error, workers)
+		for w := range workers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := range perWorker {
+					c, err := net.Dial("tcp", ln.Addr().String())
+					if err != nil {
+						errs[w] = err
+						return
+					}
+					if i%2 == 0 {
+						c.(*net.TCPConn).SetLinger(0)
+					}
+					c.Close()
+				}
+			}()
+		}
+		wg.Wait()
+		if err := errors.Join(errs...); err != nil {
+			t.Fatal(err)
+		}
+		if a != nil {
+			waitAcceleratedSockets(t, a, uint64(open))
+		}
+		ln.Close()
+		<-served
+	})
+}

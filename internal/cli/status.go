@@ -28,7 +28,8 @@ func newStatusCommand(g *Global) *cobra.Command {
 while 'meshwarp run' runs, and after the agent was killed (the data path stays
 attached). Counters are cumulative across agent restarts.
 
-  accelerated_sockets     sockets paired right now (both ends of a connection count)
+  accelerated_sockets     sockets paired right now (both ends of a connection count, until
+                          they leave to TCP or close; the connecting side's close ends both)
   redirected_*            bytes/messages moved socket-to-socket
   passthrough_*           traffic and connections that used the normal stack, by reason:
 ` + accel.ReasonsHelp(4, 88) + `
