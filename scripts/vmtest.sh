@@ -54,10 +54,10 @@ timeout_s=${MESHWARP_VM_TIMEOUT:-$((probe_timeout_s + accel_timeout_s + retry_ti
 # TCP guarantees (FIONREAD, backpressure, shutdown, early writes; a writer
 # at the node's TCP memory limit, which only a VM may lower), the
 # small-stream switch and socket removal (what reads the psock's queue, which
-# differs by kernel; closes that unlink a socket before its FIN or reset), and the
-# lifecycle (kill, adopt, upgrade, uninstall under load; a refused upgrade;
-# another tool's sockmap beside ours: what the sk_msg attach mechanism
-# changes).
+# differs by kernel; closes that unlink a socket before its FIN or reset),
+# and the lifecycle (kill, adopt, upgrade, uninstall under load; a refused
+# upgrade; another tool's sockmap beside ours: what the sk_msg attach
+# mechanism changes).
 accel_tests='NodeMemoryPressureBlocksWriter|IntegrityLoopback|IntegrityAcrossNetns|NetnsIsolationCollidingTuples|NoPathSwitchMidStream|PairAcrossSourcePortRemap|Compat|AdmissionOutsideClientDuringConnect|NoHarmServerOutsideCgroup|NoHarmPassthroughFIONREAD|Faithful(SlowReader|SendAfterShutdown|EarlyWriteKeepsOrder|LearnedFIONREAD)|SmallStreamSwitchKeepsEveryByte|SwitchThenCloseCountsEverySocket|AbortedConnectionsCountEverySocket|DownloadSocketsLeave|DownloadWhileUploadingKeepsEveryByte|FallbackSockhashFull|UpgradeToOtherLayoutRefused|CoexistOtherSockmapUser'
 # TestPrivilegedLifecycleUnderLoad (kill, adopt, upgrade, uninstall under
 # load) takes 180-300 s here, about 10x the host; its streams' deadline is a
