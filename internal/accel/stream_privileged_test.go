@@ -775,10 +775,12 @@ func delayAcks(t *testing.T, c net.Conn) {
 
 // Health checks and aborted clients: connections closed right after the
 // handshake, from several clients at once, by FIN or by a reset
-// (SO_LINGER 0) from either side, count each paired socket gone exactly
-// once (a connection kept open shows a double count as a gauge below its
-// 2). A server that resets after its client has closed (the client's close
-// ends its connection first) left its socket counted for good before.
+// (SO_LINGER 0) from either side. As on TCP, the server accepts every one
+// and its read ends at the client's FIN (EOF) or reset, with no byte. Each
+// paired socket is counted gone exactly once (a connection kept open shows
+// a double count as a gauge below its 2). A server that resets after its
+// client has closed (the client's close ends its connection first) left its
+// socket counted for good before.
 func TestPrivilegedAbortedConnectionsCountEverySocket(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	const workers, perWorker = 4, 300
@@ -792,20 +794,30 @@ func TestPrivilegedAbortedConnectionsCountEverySocket(t *testing.T) {
 			defer kept.Close()
 			defer kept2.Close()
 		}
-		served := make(chan error, 1)
+		var served sync.WaitGroup
+		readErrs := make(chan error, workers*perWorker)
+		served.Add(workers * perWorker)
 		go func() {
-			for i := 0; ; i++ {
+			for i := range workers * perWorker {
 				c, err := ln.Accept()
 				if err != nil {
-					served <- nil
-					return
+					readErrs <- fmt.Errorf("accept %d: %w", i, err)
+					served.Done()
+					continue
 				}
 				if i%3 == 0 {
 					c.(*net.TCPConn).SetLinger(0)
 				}
 				go func() {
-					b := make([]byte, 1)
-					c.Read(b) // until the client's FIN or reset
+					defer served.Done()
+					c.SetReadDeadline(time.Now().Add(time.Minute))
+					n, err := c.Read(make([]byte, 1))
+					switch {
+					case n > 0:
+						readErrs <- fmt.Errorf("read %d bytes the client never sent", n)
+					case !errors.Is(err, io.EOF) && !errors.Is(err, unix.ECONNRESET):
+						readErrs <- fmt.Errorf("read ended with %v, not the client's FIN or reset", err)
+					}
 					c.Close()
 				}()
 			}
@@ -833,10 +845,13 @@ func TestPrivilegedAbortedConnectionsCountEverySocket(t *testing.T) {
 		if err := errors.Join(errs...); err != nil {
 			t.Fatal(err)
 		}
+		served.Wait()
+		close(readErrs)
+		for err := range readErrs {
+			t.Error(err)
+		}
 		if a != nil {
 			waitAcceleratedSockets(t, a, uint64(open))
 		}
-		ln.Close()
-		<-served
 	})
 }
