@@ -201,7 +201,23 @@ struct mw_flow_key {
 	__u32 _pad;
 };
 
-/* mw_flows value, one copy per CPU (summed by Go). */
+/*
+ * mw_pair_flows key: HTTP exchanges of a paired connection, one record for
+ * the points of both its sockets (Go reads it as one flow at each point,
+ * like an mw_flows record with accelerated set). Value: struct mw_flow.
+ */
+struct mw_pair_flow_key {
+	__u64 active_netns;
+	__u64 passive_netns;
+	struct mw_endpoint active_server;
+	struct mw_endpoint passive_server;
+	enum mw_point active_point;
+	enum mw_point passive_point;
+	__u32 status;
+	enum mw_method method;
+};
+
+/* mw_flows and mw_pair_flows value, one copy per CPU (summed by Go). */
 struct mw_flow {
 	__u64 count;  /* HTTP: exchanges; TCP: connections ended */
 	__u64 sum_ns; /* of their durations (request to response; TCP: connection lifetime) */
@@ -243,22 +259,28 @@ struct mw_obs_conn {
 	__u64 sent[2];    /* bytes each side redirected, by role - 1 (each written by its own side only) */
 	__u64 req_ns;
 	__u32 req_role;   /* enum mw_role of the requesting side */
-	__u32 req_point;  /* its enum mw_point */
 	__u32 req_method;
+	/*
+	 * Each side's point (its mw_obs_sock's, set once: the active side's
+	 * when it creates the entry, the passive side's before PAIRED). An
+	 * exchange is recorded for both in one mw_pair_flows record, and the
+	 * active side's close gives a passive side that outlives it its last
+	 * bytes at the passive point.
+	 */
+	__u32 active_point;
 	__u32 passive_point;
-	__u64 req_netns;
-	struct mw_endpoint req_server;
-	__u32 passive_observed; /* the passive side's end is observed (set before PAIRED) */
+	__u64 active_netns;
+	struct mw_endpoint active_server;
+	__u32 active_observed;  /* the active side is observed */
 	/*
 	 * Of the other side's sent, what each side's flow has been given (by
 	 * role - 1; claimed by cmpxchg: the side itself at a flush or its close,
 	 * or the closing active side for a passive side that outlives it).
 	 */
 	__u64 seen[2];
-	/* The passive side's flow (its mw_obs_sock), for the active side to give it its last bytes. */
 	__u64 passive_netns;
 	struct mw_endpoint passive_server;
-	__u32 _pad;
+	__u32 passive_observed; /* the passive side is observed */
 };
 
 /*

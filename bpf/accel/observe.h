@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
  * Observation (`meshwarp run --observe`): RED data for every connection of
- * the cgroup, accelerated or not, into mw_flows (Go renders the Prometheus
- * series, `meshwarp top` and `meshwarp trace` from it).
+ * the cgroup, accelerated or not, into mw_flows, and the exchanges of paired
+ * connections into mw_pair_flows (Go renders the Prometheus series,
+ * `meshwarp top` and `meshwarp trace` from them).
  *
  *   sock_ops     classifies each socket once (enum mw_point) when it
  *                connects or is established, and records how it ends
@@ -62,18 +63,35 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } mw_flows SEC(".maps");
 
+/*
+ * The exchanges of paired connections (obs_msg): one record and one update
+ * per exchange for the two points that see it, where mw_flows would take
+ * two. Its own map, so that the flows of every other path keep their
+ * shorter key.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 8192);
+	__type(key, struct mw_pair_flow_key);
+	__type(value, struct mw_flow);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_pair_flows SEC(".maps");
 
 #define MW_EEXIST 17
 
-/* Add one observation (counted) or bytes to k's flow; a full mw_flows counts in flows_full. */
-static __always_inline void obs_add(const struct mw_flow_key *k, __u64 d_ns, __u64 bytes, bool counted)
+/*
+ * Add one observation (counted) or bytes to k's flow in flows (mw_flows,
+ * or mw_pair_flows with its key); a full map counts in flows_full.
+ */
+static __always_inline void obs_add_to(void *flows, const void *k, __u64 d_ns, __u64 bytes, bool counted)
 {
 	struct mw_flow zero = {}, *f;
 	__u32 i;
 
-	f = bpf_map_lookup_elem(&mw_flows, k);
+	f = bpf_map_lookup_elem(flows, k);
 	if (!f) {
-		long err = bpf_map_update_elem(&mw_flows, k, &zero, BPF_NOEXIST);
+		long err = bpf_map_update_elem(flows, k, &zero, BPF_NOEXIST);
 
 		if (err && err != -MW_EEXIST) {
 			struct mw_counters *c = counters();
@@ -82,7 +100,7 @@ static __always_inline void obs_add(const struct mw_flow_key *k, __u64 d_ns, __u
 				c->flows_full++;
 			return;
 		}
-		f = bpf_map_lookup_elem(&mw_flows, k);
+		f = bpf_map_lookup_elem(flows, k);
 		if (!f)
 			return;
 	}
@@ -98,6 +116,11 @@ static __always_inline void obs_add(const struct mw_flow_key *k, __u64 d_ns, __u
 	}
 	if (i < MW_OBS_BUCKETS)
 		f->buckets[i]++;
+}
+
+static __always_inline void obs_add(const struct mw_flow_key *k, __u64 d_ns, __u64 bytes, bool counted)
+{
+	obs_add_to(&mw_flows, k, d_ns, bytes, counted);
 }
 
 /* Little-endian word of up to 8 characters (how the first bytes load). */
@@ -391,7 +414,7 @@ static __always_inline __u64 obs_claim_peer_bytes(struct mw_conn *c, __u32 me)
 	return peer - seen;
 }
 
-/* sock_ops: the passive side joins a connection: where its flow is, for the active side's close. */
+/* sock_ops: the passive side joins a connection: its point (struct mw_obs_conn). */
 static __always_inline void obs_passive_joins(struct bpf_sock *sk, struct mw_conn *c)
 {
 	struct mw_obs_sock *o;
@@ -407,11 +430,29 @@ static __always_inline void obs_passive_joins(struct bpf_sock *sk, struct mw_con
 	c->obs.passive_observed = 1;
 }
 
+/* sock_ops: the active side creates its connection's entry (c, not in mw_conns yet): its point. */
+static __always_inline void obs_active_joins(struct bpf_sock *sk, struct mw_conn *c)
+{
+	struct mw_obs_sock *o;
+
+	if (!observe)
+		return;
+	o = obs_state(sk, false);
+	if (!o || !o->started)
+		return;
+	c->obs.active_netns = o->netns;
+	c->obs.active_server = o->server;
+	c->obs.active_point = o->point;
+	c->obs.active_observed = 1;
+}
+
 /*
  * sk_msg: a message of a paired connection was redirected. The exchange in
  * flight lives in the connection (mw_conn.obs): its response is sent by the
  * other socket. Both points of the connection record it, with one duration
- * (the redirect has no transit of its own to measure).
+ * (the redirect has no transit of its own to measure), in one mw_pair_flows
+ * record: each side's point is in the connection, so an exchange reads no
+ * socket's observation record but the sender's.
  */
 static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *st, struct mw_conn *c, __u32 size,
 				    __u64 coarse_now)
@@ -419,7 +460,7 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 	/* st is its record's first part: the obs part needs no second lookup. */
 	struct mw_obs_sock *o = &((struct mw_sock *)st)->obs;
 	__u32 kind = MW_HTTP_NONE, method = MW_METHOD_OTHER, status = 0;
-	struct mw_flow_key k = {};
+	struct mw_pair_flow_key k = {};
 	__u8 buf[MW_OBS_PEEK] = {};
 	void *data, *end;
 	__u64 now, d;
@@ -454,25 +495,27 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 	/* The precise clock only for an exchange's duration; the flush needs no more than the coarse one. */
 	now = kind == MW_HTTP_NONE ? coarse_now : bpf_ktime_get_ns();
 	if (kind == MW_HTTP_REQUEST) {
-		obs_app_request(o, method, now);
+		/* Only a connecting socket is a client (obs_point). */
+		if (st->role == MW_ROLE_ACTIVE && c->obs.active_point == MW_POINT_CLIENT)
+			obs_app_request(o, method, now);
 		c->obs.req_role = st->role;
-		c->obs.req_point = o->point;
-		c->obs.req_netns = o->netns;
 		c->obs.req_method = method;
-		c->obs.req_server = o->server;
 		c->obs.req_ns = now;
 	} else if (kind == MW_HTTP_RESPONSE && c->obs.req_ns && c->obs.req_role != st->role) {
 		d = now - c->obs.req_ns;
 		c->obs.req_ns = 0;
-		k.status = status;
-		k.method = c->obs.req_method;
-		k.accelerated = 1;
-		k.server = c->obs.req_server;
-		k.netns = c->obs.req_netns;
-		k.point = c->obs.req_point;
-		obs_exchange(&k, d);
-		obs_flow_key(&k, o, MW_PROTO_HTTP);
-		obs_exchange(&k, d);
+		/* Both sides observed, as both sent: the requester set req_ns, and o is started. */
+		if (c->obs.active_observed && c->obs.passive_observed) {
+			k.active_netns = c->obs.active_netns;
+			k.active_server = c->obs.active_server;
+			k.active_point = c->obs.active_point;
+			k.passive_netns = c->obs.passive_netns;
+			k.passive_server = c->obs.passive_server;
+			k.passive_point = c->obs.passive_point;
+			k.status = status;
+			k.method = c->obs.req_method;
+			obs_add_to(&mw_pair_flows, &k, d, 0, true);
+		}
 	}
 	/* Each socket counts what it sent, and adds what its peer sent when it flushes. */
 	me = st->role == MW_ROLE_ACTIVE ? 0 : 1;

@@ -306,6 +306,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	conn.active_is_sidecar = socket_uid(sk) == sidecar_uid;
 	conn.active_netns = bpf_get_netns_cookie(skops);
 	conn.pending_us = mw_now_us();
+	obs_active_joins(sk, &conn);
 
 	err = bpf_map_update_elem(&mw_conns, &id, &conn, BPF_NOEXIST);
 	if (err) {

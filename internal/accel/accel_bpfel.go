@@ -30,16 +30,16 @@ type accelMwConn struct {
 		Sent            [2]uint64
 		ReqNs           uint64
 		ReqRole         uint32
-		ReqPoint        uint32
 		ReqMethod       uint32
+		ActivePoint     uint32
 		PassivePoint    uint32
-		ReqNetns        uint64
-		ReqServer       accelMwEndpoint
-		PassiveObserved uint32
+		ActiveNetns     uint64
+		ActiveServer    accelMwEndpoint
+		ActiveObserved  uint32
 		Seen            [2]uint64
 		PassiveNetns    uint64
 		PassiveServer   accelMwEndpoint
-		Pad             uint32
+		PassiveObserved uint32
 	}
 	Dir             [2]uint32
 	ToTcpReason     accelMwReason
@@ -160,6 +160,18 @@ const (
 	accelMwMethodMW_METHOD_PATCH   accelMwMethod = 9
 	accelMwMethodMW_METHOD_MAX     accelMwMethod = 10
 )
+
+type accelMwPairFlowKey struct {
+	_             structs.HostLayout
+	ActiveNetns   uint64
+	PassiveNetns  uint64
+	ActiveServer  accelMwEndpoint
+	PassiveServer accelMwEndpoint
+	ActivePoint   accelMwPoint
+	PassivePoint  accelMwPoint
+	Status        uint32
+	Method        accelMwMethod
+}
 
 type accelMwPoint uint32
 
@@ -363,6 +375,7 @@ const (
 	accelMapMwLearnedAny           = "mw_learned_any"
 	accelMapMwLeaveClock           = "mw_leave_clock"
 	accelMapMwLeavePolls           = "mw_leave_polls"
+	accelMapMwPairFlows            = "mw_pair_flows"
 	accelMapMwPolicy               = "mw_policy"
 	accelMapMwPortPolicy           = "mw_port_policy"
 	accelMapMwSkStore              = "mw_sk_store"
@@ -496,6 +509,7 @@ type accelMapSpecs struct {
 	MwLearnedAny  *ebpf.MapSpec `ebpf:"mw_learned_any"`
 	MwLeaveClock  *ebpf.MapSpec `ebpf:"mw_leave_clock"`
 	MwLeavePolls  *ebpf.MapSpec `ebpf:"mw_leave_polls"`
+	MwPairFlows   *ebpf.MapSpec `ebpf:"mw_pair_flows"`
 	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
@@ -563,6 +577,7 @@ type accelMaps struct {
 	MwLearnedAny  *ebpf.Map `ebpf:"mw_learned_any"`
 	MwLeaveClock  *ebpf.Map `ebpf:"mw_leave_clock"`
 	MwLeavePolls  *ebpf.Map `ebpf:"mw_leave_polls"`
+	MwPairFlows   *ebpf.Map `ebpf:"mw_pair_flows"`
 	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
@@ -589,6 +604,7 @@ func (m *accelMaps) Close() error {
 		m.MwLearnedAny,
 		m.MwLeaveClock,
 		m.MwLeavePolls,
+		m.MwPairFlows,
 		m.MwPolicy,
 		m.MwPortPolicy,
 		m.MwSkStore,

@@ -96,26 +96,33 @@ func ReadPinnedFlows(pinDir string) ([]Flow, error) {
 	if err != nil {
 		return nil, fmt.Errorf("no meshwarp agent is attached at %s (%w): start one with `meshwarp run` (or pass its --pin-dir)", pinDir, errors.Unwrap(err))
 	}
+	defer m.Close()
 	if obs, err := Observing(pinDir); err != nil || !obs {
-		m.Close()
 		return nil, fmt.Errorf("the meshwarp agent at %s does not observe: restart it without --observe=false", pinDir)
 	}
-	defer m.Close()
-	return readFlows(m)
+	pairs, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwPairFlows), &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		return nil, fmt.Errorf("the meshwarp agent at %s has no %s: it comes from another meshwarp build (%w)", pinDir, accelMapMwPairFlows, errors.Unwrap(err))
+	}
+	defer pairs.Close()
+	return readFlows(m, pairs)
 }
 
 // Flows reads the agent's observation.
-func (a *Agent) Flows() ([]Flow, error) { return readFlows(a.objs.MwFlows) }
+func (a *Agent) Flows() ([]Flow, error) { return readFlows(a.objs.MwFlows, a.objs.MwPairFlows) }
 
-func readFlows(m *ebpf.Map) ([]Flow, error) {
-	var (
-		k      accelMwFlowKey
-		perCPU []accelMwFlow
-		out    []Flow
-	)
-	it := m.Iterate()
-	for it.Next(&k, &perCPU) {
-		var v accelMwFlow
+// readFlows sums each record's per-CPU copies. A record of pairs (one
+// exchange of a paired connection, seen at the points of both its sockets)
+// is a flow at each of the two points, added to any mw_flows record of the
+// same flow (a connection's exchanges after it went to TCP).
+func readFlows(flows, pairs *ebpf.Map) ([]Flow, error) {
+	sums := map[accelMwFlowKey]*accelMwFlow{}
+	add := func(k accelMwFlowKey, perCPU []accelMwFlow) {
+		v := sums[k]
+		if v == nil {
+			v = &accelMwFlow{}
+			sums[k] = v
+		}
 		for _, c := range perCPU {
 			v.Count += c.Count
 			v.SumNs += c.SumNs
@@ -124,12 +131,45 @@ func readFlows(m *ebpf.Map) ([]Flow, error) {
 				v.Buckets[i] += c.Buckets[i]
 			}
 		}
-		out = append(out, flowOf(k, v))
+	}
+	var (
+		k      accelMwFlowKey
+		pk     accelMwPairFlowKey
+		perCPU []accelMwFlow
+	)
+	it := flows.Iterate()
+	for it.Next(&k, &perCPU) {
+		add(k, perCPU)
 	}
 	if err := it.Err(); err != nil {
-		return nil, fmt.Errorf("read mw_flows: %w", err)
+		return nil, fmt.Errorf("read %s: %w", accelMapMwFlows, err)
+	}
+	it = pairs.Iterate()
+	for it.Next(&pk, &perCPU) {
+		for _, side := range pairSides(pk) {
+			add(side, perCPU)
+		}
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("read %s: %w", accelMapMwPairFlows, err)
+	}
+	out := make([]Flow, 0, len(sums))
+	for k, v := range sums {
+		out = append(out, flowOf(k, *v))
 	}
 	return out, nil
+}
+
+// pairSides is the flow key of each point of an mw_pair_flows record.
+func pairSides(pk accelMwPairFlowKey) [2]accelMwFlowKey {
+	side := func(netns uint64, server accelMwEndpoint, point accelMwPoint) accelMwFlowKey {
+		return accelMwFlowKey{Netns: netns, Server: server, Point: point, Proto: accelMwProtoMW_PROTO_HTTP,
+			Status: pk.Status, Method: pk.Method, Accelerated: 1}
+	}
+	return [2]accelMwFlowKey{
+		side(pk.ActiveNetns, pk.ActiveServer, pk.ActivePoint),
+		side(pk.PassiveNetns, pk.PassiveServer, pk.PassivePoint),
+	}
 }
 
 func flowOf(k accelMwFlowKey, v accelMwFlow) Flow {

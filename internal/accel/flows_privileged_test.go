@@ -1,0 +1,81 @@
+// SPDX-License-Identifier: Apache-2.0
+
+package accel
+
+import (
+	"math"
+	"net/netip"
+	"testing"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/meshwarp/meshwarp/internal/testutil"
+)
+
+// An exchange of a paired connection is one mw_pair_flows record for the
+// points of both its sockets: Flows reads it as a flow at each point, and
+// adds it to the mw_flows record of the same flow (the same connection's
+// exchanges after it went to TCP), per CPU copies summed.
+func TestPrivilegedPairFlowsReadAtBothPoints(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	a := startAgent(t, Config{Observe: true})
+	cpus, err := ebpf.PossibleCPU()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Namespaces no socket of the test's cgroup is in: only these records carry them.
+	const activeNetns, passiveNetns = 0xfeed0001, 0xfeed0002
+	active := accelMwEndpoint{Addr: [4]uint32{0, 0, 0xffff0000, 0x0300000a}, PortHost: 15001}
+	passive := accelMwEndpoint{Addr: [4]uint32{0, 0, 0xffff0000, 0x0400000a}, PortHost: 8080}
+	perCPU := func(count, sumNs uint64, bucket int) []accelMwFlow {
+		v := make([]accelMwFlow, cpus)
+		v[0].Count, v[0].SumNs, v[0].Buckets[bucket] = count, sumNs, count
+		v[cpus-1].Count += 1
+		v[cpus-1].SumNs += 1000
+		v[cpus-1].Buckets[bucket]++
+		return v
+	}
+	pk := accelMwPairFlowKey{ActiveNetns: activeNetns, PassiveNetns: passiveNetns, ActiveServer: active, PassiveServer: passive,
+		ActivePoint: accelMwPointMW_POINT_OUTBOUND_OUT, PassivePoint: accelMwPointMW_POINT_INBOUND_IN, Status: 200, Method: accelMwMethodMW_METHOD_GET}
+	if err := a.objs.MwPairFlows.Put(pk, perCPU(4, 4000, 1)); err != nil {
+		t.Fatal(err)
+	}
+	// The active point's same flow, from the TCP path.
+	k := accelMwFlowKey{Netns: activeNetns, Server: active, Point: accelMwPointMW_POINT_OUTBOUND_OUT, Proto: accelMwProtoMW_PROTO_HTTP,
+		Status: 200, Method: accelMwMethodMW_METHOD_GET, Accelerated: 1}
+	if err := a.objs.MwFlows.Put(k, perCPU(2, 2000, 1)); err != nil {
+		t.Fatal(err)
+	}
+	flows, err := a.Flows()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[uint64][]Flow{}
+	for _, f := range flows {
+		if f.Netns == activeNetns || f.Netns == passiveNetns {
+			got[f.Netns] = append(got[f.Netns], f)
+		}
+	}
+	want := []struct {
+		netns  uint64
+		point  string
+		server netip.AddrPort
+		count  uint64
+	}{
+		{activeNetns, PointOutboundOut, netip.MustParseAddrPort("10.0.0.3:15001"), 5 + 3},
+		{passiveNetns, PointInboundIn, netip.MustParseAddrPort("10.0.0.4:8080"), 5},
+	}
+	for _, w := range want {
+		fs := got[w.netns]
+		if len(fs) != 1 {
+			t.Fatalf("netns %#x: %d flows, want 1: %+v", w.netns, len(fs), fs)
+		}
+		f := fs[0]
+		if f.Point != w.point || f.Proto != "http" || f.Method != "GET" || f.Status != 200 || !f.Accelerated || f.Server != w.server {
+			t.Errorf("netns %#x: flow %+v, want point %s, http GET 200, accelerated, server %s", w.netns, f, w.point, w.server)
+		}
+		if sumNs := uint64(math.Round(f.SumSeconds * 1e9)); f.Count != w.count || f.Buckets[1] != w.count || sumNs != w.count*1000 {
+			t.Errorf("netns %#x: count %d, bucket %d, sum %d ns; want %d, %d, %d ns", w.netns, f.Count, f.Buckets[1], sumNs, w.count, w.count, w.count*1000)
+		}
+	}
+}
