@@ -384,8 +384,9 @@ struct mw_sk_state {
 	__u64 redir_ns;  /* coarse clock at its last redirect (fin_order.h) */
 	/*
 	 * The redirect budget (redirect.h, over_budget): this direction's own,
-	 * 0 until its first look at the peer's backlog; and that look's backlog
-	 * and sent (low 32 bits), to tell what the reader took since.
+	 * 0 until its first look at the peer's backlog (made by decide: empty
+	 * before the first redirect); and that look's backlog and sent (low 32
+	 * bits), to tell what the reader took since.
 	 */
 	__u32 budget;
 	__u32 seen_backlog;

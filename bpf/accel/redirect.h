@@ -61,6 +61,15 @@ static __always_inline void decide(struct mw_sk_state *st, struct bpf_sock *sk)
 			return;
 		}
 		st->decision = MW_CONN_PAIRED;
+		/*
+		 * The budget's first look, without reading through the peer: only
+		 * this socket fills the peer's redirect queue, and it has sent
+		 * nothing yet (over_budget).
+		 */
+		st->budget = redirect_budget_bytes;
+		st->credit = redirect_budget_bytes;
+		st->seen_backlog = 0;
+		st->seen_sent = (__u32)st->sent;
 		return;
 	}
 	st->decision = MW_CONN_PASSTHROUGH;
