@@ -414,15 +414,21 @@ static __always_inline __u64 obs_claim_peer_bytes(struct mw_conn *c, __u32 me)
 	return peer - seen;
 }
 
-/* sock_ops: the passive side joins a connection: its point (struct mw_obs_conn). */
-static __always_inline void obs_passive_joins(struct bpf_sock *sk, struct mw_conn *c)
+/*
+ * The observation part of the record whose pairing part is st (its first:
+ * no second lookup).
+ */
+static __always_inline struct mw_obs_sock *obs_of(struct mw_sk_state *st)
 {
-	struct mw_obs_sock *o;
+	return &((struct mw_sock *)st)->obs;
+}
 
-	if (!observe)
-		return;
-	o = obs_state(sk, false);
-	if (!o || !o->started)
+/* sock_ops: the passive side (its record's pairing part st) joins a connection: its point (struct mw_obs_conn). */
+static __always_inline void obs_passive_joins(struct mw_sk_state *st, struct mw_conn *c)
+{
+	struct mw_obs_sock *o = obs_of(st);
+
+	if (!observe || !o->started)
 		return;
 	c->obs.passive_netns = o->netns;
 	c->obs.passive_server = o->server;
@@ -430,15 +436,12 @@ static __always_inline void obs_passive_joins(struct bpf_sock *sk, struct mw_con
 	c->obs.passive_observed = 1;
 }
 
-/* sock_ops: the active side creates its connection's entry (c, not in mw_conns yet): its point. */
-static __always_inline void obs_active_joins(struct bpf_sock *sk, struct mw_conn *c)
+/* sock_ops: the active side (st) creates its connection's entry (c, not in mw_conns yet): its point. */
+static __always_inline void obs_active_joins(struct mw_sk_state *st, struct mw_conn *c)
 {
-	struct mw_obs_sock *o;
+	struct mw_obs_sock *o = obs_of(st);
 
-	if (!observe)
-		return;
-	o = obs_state(sk, false);
-	if (!o || !o->started)
+	if (!observe || !o->started)
 		return;
 	c->obs.active_netns = o->netns;
 	c->obs.active_server = o->server;
@@ -457,8 +460,7 @@ static __always_inline void obs_active_joins(struct bpf_sock *sk, struct mw_conn
 static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *st, struct mw_conn *c, __u32 size,
 				    __u64 coarse_now)
 {
-	/* st is its record's first part: the obs part needs no second lookup. */
-	struct mw_obs_sock *o = &((struct mw_sock *)st)->obs;
+	struct mw_obs_sock *o = obs_of(st);
 	__u32 kind = MW_HTTP_NONE, method = MW_METHOD_OTHER, status = 0;
 	struct mw_pair_flow_key k = {};
 	__u8 buf[MW_OBS_PEEK] = {};
