@@ -250,6 +250,14 @@ struct mw_obs_sock {
 	__u32 _pad;
 };
 
+/* One socket's observation point as its connection keeps it (struct mw_obs_conn). */
+struct mw_obs_side {
+	__u64 netns;
+	struct mw_endpoint server;
+	enum mw_point point;
+	__u32 observed; /* the socket is observed (else the rest is unset) */
+};
+
 /*
  * What sk_msg observes of a paired connection (mw_conn.obs): a request in
  * flight and the bytes each side redirected. What a message reads or
@@ -261,26 +269,19 @@ struct mw_obs_conn {
 	__u32 req_role;   /* enum mw_role of the requesting side */
 	__u32 req_method;
 	/*
-	 * Each side's point (its mw_obs_sock's, set once: the active side's
-	 * when it creates the entry, the passive side's before PAIRED). An
-	 * exchange is recorded for both in one mw_pair_flows record, and the
-	 * active side's close gives a passive side that outlives it its last
-	 * bytes at the passive point.
+	 * Each side's point, by role - 1 (obs_joins: the active side's when it
+	 * creates the entry, the passive side's before PAIRED). An exchange is
+	 * recorded for both in one mw_pair_flows record, and the active side's
+	 * close gives a passive side that outlives it its last bytes at the
+	 * passive point.
 	 */
-	__u32 active_point;
-	__u32 passive_point;
-	__u64 active_netns;
-	struct mw_endpoint active_server;
-	__u32 active_observed;  /* the active side is observed */
+	struct mw_obs_side side[2];
 	/*
 	 * Of the other side's sent, what each side's flow has been given (by
 	 * role - 1; claimed by cmpxchg: the side itself at a flush or its close,
 	 * or the closing active side for a passive side that outlives it).
 	 */
 	__u64 seen[2];
-	__u64 passive_netns;
-	struct mw_endpoint passive_server;
-	__u32 passive_observed; /* the passive side is observed */
 };
 
 /*

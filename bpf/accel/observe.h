@@ -423,30 +423,21 @@ static __always_inline struct mw_obs_sock *obs_of(struct mw_sk_state *st)
 	return &((struct mw_sock *)st)->obs;
 }
 
-/* sock_ops: the passive side (its record's pairing part st) joins a connection: its point (struct mw_obs_conn). */
-static __always_inline void obs_passive_joins(struct mw_sk_state *st, struct mw_conn *c)
+/*
+ * sock_ops: a socket (its record's pairing part st) joins its connection:
+ * its point, in the side of mw_conn.obs its role names. The active side's
+ * entry is not in mw_conns yet, the passive side's before PAIRED.
+ */
+static __always_inline void obs_joins(struct mw_sk_state *st, struct mw_obs_side *side)
 {
 	struct mw_obs_sock *o = obs_of(st);
 
 	if (!observe || !o->started)
 		return;
-	c->obs.passive_netns = o->netns;
-	c->obs.passive_server = o->server;
-	c->obs.passive_point = o->point;
-	c->obs.passive_observed = 1;
-}
-
-/* sock_ops: the active side (st) creates its connection's entry (c, not in mw_conns yet): its point. */
-static __always_inline void obs_active_joins(struct mw_sk_state *st, struct mw_conn *c)
-{
-	struct mw_obs_sock *o = obs_of(st);
-
-	if (!observe || !o->started)
-		return;
-	c->obs.active_netns = o->netns;
-	c->obs.active_server = o->server;
-	c->obs.active_point = o->point;
-	c->obs.active_observed = 1;
+	side->netns = o->netns;
+	side->server = o->server;
+	side->point = o->point;
+	side->observed = 1;
 }
 
 /*
@@ -498,7 +489,7 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 	now = kind == MW_HTTP_NONE ? coarse_now : bpf_ktime_get_ns();
 	if (kind == MW_HTTP_REQUEST) {
 		/* Only a connecting socket is a client (obs_point). */
-		if (st->role == MW_ROLE_ACTIVE && c->obs.active_point == MW_POINT_CLIENT)
+		if (st->role == MW_ROLE_ACTIVE && c->obs.side[0].point == MW_POINT_CLIENT)
 			obs_app_request(o, method, now);
 		c->obs.req_role = st->role;
 		c->obs.req_method = method;
@@ -507,13 +498,13 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 		d = now - c->obs.req_ns;
 		c->obs.req_ns = 0;
 		/* Both sides observed, as both sent: the requester set req_ns, and o is started. */
-		if (c->obs.active_observed && c->obs.passive_observed) {
-			k.active_netns = c->obs.active_netns;
-			k.active_server = c->obs.active_server;
-			k.active_point = c->obs.active_point;
-			k.passive_netns = c->obs.passive_netns;
-			k.passive_server = c->obs.passive_server;
-			k.passive_point = c->obs.passive_point;
+		if (c->obs.side[0].observed && c->obs.side[1].observed) {
+			k.active_netns = c->obs.side[0].netns;
+			k.active_server = c->obs.side[0].server;
+			k.active_point = c->obs.side[0].point;
+			k.passive_netns = c->obs.side[1].netns;
+			k.passive_server = c->obs.side[1].server;
+			k.passive_point = c->obs.side[1].point;
 			k.status = status;
 			k.method = c->obs.req_method;
 			obs_add_to(&mw_pair_flows, &k, d, 0, true);
@@ -568,14 +559,14 @@ static __always_inline void obs_conn_end(struct bpf_sock *sk, struct mw_conn *c,
 		if (b)
 			o->accelerated = 1; /* a one-way receiver: sk_msg never saw it send */
 	}
-	if (me != 0 || !c->obs.passive_observed)
+	if (me != 0 || !c->obs.side[1].observed)
 		return;
 	b = obs_claim_peer_bytes(c, 1);
 	if (!b)
 		return;
-	k.server = c->obs.passive_server;
-	k.netns = c->obs.passive_netns;
-	k.point = c->obs.passive_point;
+	k.server = c->obs.side[1].server;
+	k.netns = c->obs.side[1].netns;
+	k.point = c->obs.side[1].point;
 	k.proto = MW_PROTO_TCP;
 	k.outcome = MW_TCP_OPEN;
 	k.accelerated = 1;

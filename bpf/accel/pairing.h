@@ -306,7 +306,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	conn.active_is_sidecar = socket_uid(sk) == sidecar_uid;
 	conn.active_netns = bpf_get_netns_cookie(skops);
 	conn.pending_us = mw_now_us();
-	obs_active_joins(st, &conn);
+	obs_joins(st, &conn.obs.side[0]);
 
 	err = bpf_map_update_elem(&mw_conns, &id, &conn, BPF_NOEXIST);
 	if (err) {
@@ -480,7 +480,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	c->hop = hop;
 	c->passive_sk = (__u64)(unsigned long)sk;
 	c->same_netns = bpf_get_netns_cookie(skops) == c->active_netns;
-	obs_passive_joins(st, c);
+	obs_joins(st, &c->obs.side[1]);
 	/* The leave poll's timer (leave.h), ready before a switch can start it. */
 	leave_clock_ready();
 	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PAIRED) != MW_CONN_PENDING) {

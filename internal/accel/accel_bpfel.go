@@ -26,20 +26,20 @@ type accelMwConn struct {
 	SameNetns  uint32
 	State      accelMwConnState
 	Obs        struct {
-		_               structs.HostLayout
-		Sent            [2]uint64
-		ReqNs           uint64
-		ReqRole         uint32
-		ReqMethod       uint32
-		ActivePoint     uint32
-		PassivePoint    uint32
-		ActiveNetns     uint64
-		ActiveServer    accelMwEndpoint
-		ActiveObserved  uint32
-		Seen            [2]uint64
-		PassiveNetns    uint64
-		PassiveServer   accelMwEndpoint
-		PassiveObserved uint32
+		_         structs.HostLayout
+		Sent      [2]uint64
+		ReqNs     uint64
+		ReqRole   uint32
+		ReqMethod uint32
+		Side      [2]struct {
+			_        structs.HostLayout
+			Netns    uint64
+			Server   accelMwEndpoint
+			Point    accelMwPoint
+			Observed uint32
+			_        [4]byte
+		}
+		Seen [2]uint64
 	}
 	Dir             [2]uint32
 	ToTcpReason     accelMwReason
