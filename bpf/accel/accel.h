@@ -285,21 +285,34 @@ struct mw_obs_conn {
 };
 
 /*
- * mw_conns value, created by the active side at ESTABLISHED (pending_us): a
- * passive side established more than unpaired_timeout_ns later is not paired.
- * No timer of its own: a switch to TCP puts it on the leave poll's list
- * (mw_leave_polls, leave.h).
+ * A slot of mw_conns, claimed by the active side at ESTABLISHED (pending_us):
+ * a passive side established more than unpaired_timeout_ns later is not
+ * paired. No timer of its own: a switch to TCP puts it on the leave poll's
+ * list (mw_leave_polls, leave.h).
  */
 struct mw_conn {
 	/*
-	 * What every message reads or writes (redirect.h, observe.h) first:
-	 * the hash lookup has just read the key in front of them, so they are
-	 * on its cache lines, not on lines of their own.
+	 * The connection the slot holds (maps.h, conn_claim): set by cmpxchg
+	 * from 0 when claimed, back to 0 when released; state is set last and
+	 * cleared first, so a slot with state 0 holds no connection. A
+	 * socket's lookup compares it with its own identity: a slot released
+	 * and claimed again is another connection's.
+	 */
+	struct mw_conn_id id;
+	/*
+	 * Of this slot as a home (maps.h, conn_home), not of its connection:
+	 * bit i set when a connection homed here took the slot i further
+	 * (never cleared), so a lookup reads only those.
+	 */
+	__u32 probed;
+	/*
+	 * What every message reads or writes (redirect.h, observe.h) next to
+	 * the identity that the lookup has just compared, on its cache line.
 	 */
 	__u32 to_tcp;
 	__u32 last_sender;      /* role of the side that sent the last redirected message */
 	__u32 same_netns;       /* both sockets in one network namespace (loopback) */
-	enum mw_conn_state state; /* changed only by cmpxchg */
+	enum mw_conn_state state; /* changed only by cmpxchg, but when the slot is claimed or released */
 	struct mw_obs_conn obs;
 	/*
 	 * A paired connection that continues on TCP as a whole (to_tcp set once,
@@ -374,7 +387,7 @@ struct mw_sk_state {
 	__u32 decision; /* 0 = undecided, else enum mw_conn_state PAIRED/PASSTHROUGH */
 	__u32 reason;
 	__u32 hop;
-	__u32 owns_conn; /* this socket created the mw_conns entry and deletes it on close */
+	__u32 owns_conn; /* this socket claimed its connection's mw_conns slot and releases it on close */
 	__u32 paired;    /* counted in sockets_paired; sticks when decision later changes */
 	__u32 credit;    /* bytes it may still redirect before reading its peer's backlog again (redirect.h) */
 	__u64 peer_sk;   /* the peer's struct sock address (see struct mw_conn) */
@@ -392,7 +405,7 @@ struct mw_sk_state {
 	__u32 budget;
 	__u32 seen_backlog;
 	__u32 seen_sent;
-	__u32 _pad;
+	__u32 conn_slot; /* its connection's slot in mw_conns (with peer.conn: conn_of) */
 };
 
 /*

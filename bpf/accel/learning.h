@@ -349,7 +349,7 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 	st = pair_state(sk, false);
 	if (!st || !st->role || st->left)
 		return 1; /* not in mw_sock_hash: TCP honours it */
-	c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
+	c = conn_of(st);
 	if (!c)
 		return 1;
 	if (c->state == MW_CONN_PENDING) {

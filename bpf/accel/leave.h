@@ -5,7 +5,7 @@
  * paired connection whose direction went to TCP (redirect.h) gives its
  * sockets plain TCP back at their first TCP packet, once no byte can be lost
  * or reordered; a paired connection sends no TCP packets while it redirects,
- * so this costs nothing until then. The close releases mw_conns.
+ * so this costs nothing until then. The close releases the mw_conns slot.
  */
 #ifndef MESHWARP_LEAVE_H
 #define MESHWARP_LEAVE_H
@@ -175,14 +175,14 @@ static __always_inline void arm_leave_clock(struct mw_leave_clock *clock)
 }
 
 /* The switch (sk_msg, redirect.h): list the connection for the poll. */
-static __always_inline void poll_leave(const struct mw_conn_id *id)
+static __always_inline void poll_leave(const struct mw_sk_state *st)
 {
 	struct mw_leave_clock *clock = leave_clock();
-	__u32 one = 1;
+	__u32 slot = st->conn_slot;
 
 	if (!clock)
 		return;
-	if (bpf_map_update_elem(&mw_leave_polls, id, &one, BPF_NOEXIST) == 0)
+	if (bpf_map_update_elem(&mw_leave_polls, &st->peer.conn, &slot, BPF_NOEXIST) == 0)
 		__sync_fetch_and_add(&clock->polls, 1);
 	arm_leave_clock(clock);
 }
@@ -267,7 +267,7 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 
 	if (!st || st->left || !st->role)
 		goto done;
-	c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
+	c = conn_of(st);
 	if (!c)
 		goto done; /* the active side closed: nothing is redirected to us any more */
 	if (c->state == MW_CONN_PENDING) {
@@ -319,9 +319,9 @@ static __always_inline bool leave_by_timer(const struct mw_conn_id *id, struct m
 }
 
 /* The poll of one listed connection: whether it is done (both sockets out, or closed). */
-static int leave_poll(void *map, struct mw_conn_id *id, __u32 *v, void *ctx)
+static int leave_poll(void *map, struct mw_conn_id *id, __u32 *slot, void *ctx)
 {
-	struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, id);
+	struct mw_conn *c = conn_at(*slot, id);
 	struct mw_leave_clock *clock;
 	bool out = true;
 
@@ -351,7 +351,7 @@ static int on_leave_clock(void *map, __u32 *key, struct mw_leave_clock *clock)
  * The close (STATE_CB to CLOSE) of a socket with pairing state. Counting:
  * a socket of a PAIRED connection is counted out of accelerated_sockets
  * once (claim_count), where it leaves or closes; the connecting side's
- * close ends the connection (its mw_conns entry goes: nothing is redirected
+ * close ends the connection (its mw_conns slot is released: nothing is redirected
  * to or from the peer after that), so it counts the peer out too if it is
  * still counted. A peer closing after it has nothing left to count.
  */
@@ -363,7 +363,7 @@ static __always_inline void on_close(struct bpf_sock *sk)
 		return;
 	if (st->owns_conn) {
 		struct mw_conn_id id = st->peer.conn;
-		struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &id);
+		struct mw_conn *c = conn_of(st);
 
 		/*
 		 * A passive side in the middle of pairing (between its lookup and
@@ -380,13 +380,14 @@ static __always_inline void on_close(struct bpf_sock *sk)
 			if (claim_count(c, 1))
 				count_closed();
 		}
-		if (c)
+		if (c) {
 			obs_conn_end(sk, c, MW_ROLE_ACTIVE);
-		bpf_map_delete_elem(&mw_conns, &id);
+			conn_release(c, &id);
+		}
 		st->owns_conn = 0;
 	} else if (st->role == MW_ROLE_PASSIVE && st->peer.role == MW_ROLE_ACTIVE) {
 		/* Still there if the active side has not closed (it gave us its last bytes then). */
-		struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
+		struct mw_conn *c = conn_of(st);
 
 		if (c) {
 			if (c->state == MW_CONN_PAIRED && claim_count(c, 1))

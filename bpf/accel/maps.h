@@ -54,7 +54,110 @@ const volatile __u32 stream_small_bytes_remote; /* across namespaces (veth) */
 
 MW_PINNED_MAP(BPF_MAP_TYPE_SOCKHASH, MW_DEFAULT_CAPACITY, struct mw_sock_key, __u64) mw_sock_hash SEC(".maps");
 
-MW_PINNED_MAP(BPF_MAP_TYPE_HASH, MW_DEFAULT_CAPACITY, struct mw_conn_id, struct mw_conn) mw_conns SEC(".maps");
+/*
+ * The connections: an array of slots, not a hash. A socket keeps its
+ * connection's slot (mw_sk_state.conn_slot), so each message finds the
+ * connection with an array lookup, which the verifier inlines, instead of a
+ * hash lookup's calls (docs/BENCHMARKS.md section 35). A connection's home
+ * slot comes from its identity; it takes the first free one of the
+ * MW_CONN_PROBES from there (conn_claim), which is where the passive side
+ * finds it (conn_find). Every slot is allocated up front, as the hash's
+ * elements were.
+ */
+MW_PINNED_MAP(BPF_MAP_TYPE_ARRAY, MW_DEFAULT_CAPACITY, __u32, struct mw_conn) mw_conns SEC(".maps");
+/* mw_conns' size, set by the loader with it. */
+const volatile __u32 conn_slots = MW_DEFAULT_CAPACITY;
+/* At most this far from its home (mw_conn.probed has a bit for each). */
+#define MW_CONN_PROBES 32
+
+static __always_inline bool conn_is(const struct mw_conn *c, const struct mw_conn_id *id)
+{
+	return c->id.active_isn1 == id->active_isn1 && c->id.passive_isn1 == id->passive_isn1 && c->state;
+}
+
+/* Connection id in slot, or NULL (the slot was released, or holds another connection now). */
+static __always_inline struct mw_conn *conn_at(__u32 slot, const struct mw_conn_id *id)
+{
+	struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &slot);
+
+	return c && conn_is(c, id) ? c : NULL;
+}
+
+/* sk's connection (st: its pairing state), or NULL: closed by its connecting side, or never paired. */
+static __always_inline struct mw_conn *conn_of(const struct mw_sk_state *st)
+{
+	return conn_at(st->conn_slot, &st->peer.conn);
+}
+
+/* The first slot where connection id may be (the initial sequence numbers are random), and how many. */
+static __always_inline __u32 conn_home(const struct mw_conn_id *id, __u32 *slots)
+{
+	*slots = conn_slots ? conn_slots : 1;
+	return (id->active_isn1 ^ (id->passive_isn1 * 0x9E3779B1u)) % *slots;
+}
+
+/* Connection id's slot (its number in *slot), or NULL: not claimed, or released. */
+static __always_inline struct mw_conn *conn_find(const struct mw_conn_id *id, __u32 *slot)
+{
+	__u32 i, slots, idx = conn_home(id, &slots), probed;
+	struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &idx);
+
+	if (!c)
+		return NULL;
+	probed = c->probed | 1;
+	for (i = 0; i < MW_CONN_PROBES; i++, idx = idx + 1 < slots ? idx + 1 : 0) {
+		if (!(probed >> i))
+			break;
+		if (!(probed & (1u << i)))
+			continue;
+		c = conn_at(idx, id);
+		if (c) {
+			*slot = idx;
+			return c;
+		}
+	}
+	return NULL;
+}
+
+/*
+ * Claim a free slot for connection id (its number in *slot), or NULL: all
+ * MW_CONN_PROBES slots from its home are taken. The caller fills it and
+ * sets state last (conn_publish); until then no lookup finds it.
+ */
+static __always_inline struct mw_conn *conn_claim(const struct mw_conn_id *id, __u32 *slot)
+{
+	__u64 want = (__u64)id->passive_isn1 << 32 | id->active_isn1;
+	__u32 i, slots, home = conn_home(id, &slots), idx = home;
+	struct mw_conn *c, *h;
+
+	for (i = 0; i < MW_CONN_PROBES; i++, idx = idx + 1 < slots ? idx + 1 : 0) {
+		c = bpf_map_lookup_elem(&mw_conns, &idx);
+		if (c && !*(__u64 *)&c->id && __sync_val_compare_and_swap((__u64 *)&c->id, 0, want) == 0) {
+			*slot = idx;
+			h = i ? bpf_map_lookup_elem(&mw_conns, &home) : NULL;
+			if (h && !(h->probed & (1u << i)))
+				__sync_fetch_and_or(&h->probed, 1u << i);
+			return c;
+		}
+	}
+	return NULL;
+}
+
+/* Make the filled slot c findable (it holds the connection claimed, with state). */
+static __always_inline void conn_publish(struct mw_conn *c, enum mw_conn_state state)
+{
+	barrier();
+	c->state = state;
+}
+
+/* Free the slot: lookups stop finding it first, then it may be claimed again. */
+static __always_inline void conn_release(struct mw_conn *c, const struct mw_conn_id *id)
+{
+	__u64 had = (__u64)id->passive_isn1 << 32 | id->active_isn1;
+
+	c->state = 0;
+	__sync_val_compare_and_swap((__u64 *)&c->id, had, 0);
+}
 
 /*
  * The leave poll (leave.h): the connections whose sockets wait to leave

@@ -426,7 +426,7 @@ static __always_inline struct mw_obs_sock *obs_of(struct mw_sk_state *st)
 /*
  * sock_ops: a socket (its record's pairing part st) joins its connection:
  * its point, in the side of mw_conn.obs its role names. The active side's
- * entry is not in mw_conns yet, the passive side's before PAIRED.
+ * slot is not published yet, the passive side's before PAIRED.
  */
 static __always_inline void obs_joins(struct mw_sk_state *st, struct mw_obs_side *side)
 {
@@ -538,7 +538,7 @@ static __always_inline void obs_passive_end(struct bpf_sock *sk)
 
 /*
  * sock_ops: a paired connection's socket closes: its flow gets the last
- * bytes its peer redirected. The active side deletes mw_conns at its close,
+ * bytes its peer redirected. The active side releases the slot at its close,
  * so it also gives a passive side that outlives it the active side's last
  * bytes (in the passive side's open flow: the passive end records its
  * outcome when it closes).

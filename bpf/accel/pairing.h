@@ -15,9 +15,9 @@
  *      The notes only decide who joins; the pairing is proven in step 2.
  *      (hints.h)
  *   1. active side ESTABLISHED: if a listener of the cgroup received its
- *      SYN, create mw_conns[id] = PENDING (with the time), join
+ *      SYN, claim a slot of mw_conns for id, PENDING (with the time), join
  *      mw_sock_hash.
- *   2. passive side ESTABLISHED: if mw_conns[id] is PENDING (both initial
+ *   2. passive side ESTABLISHED: if id's slot is PENDING (both initial
  *      sequence numbers match), no older than unpaired_timeout_ns, and the
  *      active side's address is our remote address, join mw_sock_hash, then
  *      PENDING -> PAIRED.
@@ -252,12 +252,11 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 						  __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags)
 {
 	struct mw_tuple t = {};
-	struct mw_conn conn = {};
 	struct mw_sock_key key = {};
 	struct mw_sk_state *st;
-	struct mw_conn *c;
+	struct mw_conn *c, *other;
 	struct mw_conn_id id = { .active_isn1 = snd_nxt, .passive_isn1 = rcv_nxt };
-	__u32 reason, *learned;
+	__u32 reason, slot, *learned;
 	bool hinted;
 	long err;
 
@@ -298,25 +297,14 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	__builtin_memset(st, 0, sizeof(*st));
 	st->role = MW_ROLE_ACTIVE;
 
-	conn.active_cookie = bpf_get_socket_cookie(skops);
-	conn.active_sk = (__u64)(unsigned long)sk;
-	conn.active_local = t.local;
-	conn.active_remote = t.remote;
-	conn.state = MW_CONN_PENDING;
-	conn.active_is_sidecar = socket_uid(sk) == sidecar_uid;
-	conn.active_netns = bpf_get_netns_cookie(skops);
-	conn.pending_us = mw_now_us();
-	obs_joins(st, &conn.obs.side[0]);
-
-	err = bpf_map_update_elem(&mw_conns, &id, &conn, BPF_NOEXIST);
-	if (err) {
-		/*
-		 * Another live connection drew the same identity (or the map is
-		 * full). Neither may be paired: a passive socket could not tell
-		 * which active socket it belongs to.
-		 */
-		struct mw_conn *other = bpf_map_lookup_elem(&mw_conns, &id);
-
+	/*
+	 * Another live connection drew the same identity (other), or every
+	 * slot it may take is in use. Neither may be paired: a passive socket
+	 * could not tell which active socket it belongs to.
+	 */
+	other = conn_find(&id, &slot);
+	c = other ? NULL : conn_claim(&id, &slot);
+	if (!c) {
 		reason = other ? MW_REASON_KEY_COLLISION : MW_REASON_SOCKHASH_FULL;
 		if (other && __sync_val_compare_and_swap(&other->state, MW_CONN_PENDING,
 							 MW_CONN_PASSTHROUGH) == MW_CONN_PENDING)
@@ -327,16 +315,25 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		count_conn(reason);
 		return;
 	}
+	/* Everything after the identity (claimed): what the slot's last connection left goes. */
+	__builtin_memset(&c->to_tcp, 0, sizeof(*c) - __builtin_offsetof(struct mw_conn, to_tcp));
+	c->active_cookie = bpf_get_socket_cookie(skops);
+	c->active_sk = (__u64)(unsigned long)sk;
+	c->active_local = t.local;
+	c->active_remote = t.remote;
+	c->active_is_sidecar = socket_uid(sk) == sidecar_uid;
+	c->active_netns = bpf_get_netns_cookie(skops);
+	c->pending_us = mw_now_us();
+	obs_joins(st, &c->obs.side[0]);
+	conn_publish(c, MW_CONN_PENDING);
 	st->owns_conn = 1;
 	st->peer.conn = id;
-	/* STATE_CB lets us drop the mw_conns entry when this socket closes. */
+	st->conn_slot = slot;
+	/* STATE_CB lets us release the slot when this socket closes. */
 	want_callbacks(skops, cb_flags);
-	c = bpf_map_lookup_elem(&mw_conns, &id);
-	if (!c)
-		return; /* cannot happen: this socket's close is the only delete */
 
 	key.conn = id;
-	key.active_cookie = conn.active_cookie;
+	key.active_cookie = c->active_cookie;
 	key.role = MW_ROLE_ACTIVE;
 	err = bpf_sock_hash_update(skops, &mw_sock_hash, &key, BPF_NOEXIST);
 	if (err) {
@@ -405,11 +402,11 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	struct mw_counters *cnt;
 	struct mw_conn *c;
 	struct mw_conn_id id = { .active_isn1 = rcv_nxt, .passive_isn1 = snd_nxt };
-	__u32 hop, reason, *learned;
+	__u32 hop, reason, slot, *learned;
 	long err;
 
 	sockops_tuple(skops, &t);
-	c = bpf_map_lookup_elem(&mw_conns, &id);
+	c = conn_find(&id, &slot);
 	if (!c) {
 		/* The connecting socket is not ours (remote host, other cgroup, excluded) or found no note. */
 		missed_local_peer(&id, &t.remote);
@@ -496,6 +493,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	}
 	st->peer = key;
 	st->peer.role = MW_ROLE_ACTIVE;
+	st->conn_slot = slot;
 	st->peer_sk = c->active_sk;
 	st->hop = hop;
 	/* The decision (and this side's direction) is claimed on the first message. */

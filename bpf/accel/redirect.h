@@ -15,7 +15,7 @@
 static __always_inline void decide(struct mw_sk_state *st, struct bpf_sock *sk)
 {
 	struct mw_conn_id id = st->peer.conn;
-	struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &id);
+	struct mw_conn *c = conn_of(st);
 	struct tcp_sock *tp;
 
 	/*
@@ -102,7 +102,7 @@ static __always_inline void to_tcp(struct mw_sk_state *st, struct mw_conn *c, __
 	st->reason = c->to_tcp_reason;
 	__sync_val_compare_and_swap(&c->dir[me], MW_DIR_REDIRECT, dir);
 	__sync_val_compare_and_swap(&c->dir[1 - me], MW_DIR_UNDECIDED, MW_DIR_NEVER);
-	poll_leave(&st->peer.conn);
+	poll_leave(st);
 }
 
 /*
@@ -252,7 +252,7 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 		 * ENOMEM), this direction continues on TCP for good, whose flow
 		 * control then blocks the writer. Order holds as in to_tcp.
 		 */
-		c = bpf_map_lookup_elem(&mw_conns, &st->peer.conn);
+		c = conn_of(st);
 		if (c && !c->to_tcp && small_stream(st, c, size))
 			request_tcp(c, MW_REASON_SMALL_STREAM);
 		if (c && c->to_tcp && switch_point(c, st, sk)) {

@@ -76,7 +76,7 @@ static __always_inline void tap_record(struct sk_msg_md *msg, struct mw_sk_state
 	if (tap_netns && bpf_get_netns_cookie(msg) != tap_netns)
 		return;
 	/* One tuple per connection: the connecting side's view. */
-	c = bpf_map_lookup_elem(&mw_conns, &id);
+	c = conn_of(st);
 	if (c) {
 		b->rec.src = active ? c->active_local : c->active_remote;
 		b->rec.dst = active ? c->active_remote : c->active_local;

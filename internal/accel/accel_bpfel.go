@@ -21,10 +21,13 @@ type accelMwCidrKey struct {
 
 type accelMwConn struct {
 	_          structs.HostLayout
+	Id         accelMwConnId
+	Probed     uint32
 	ToTcp      uint32
 	LastSender uint32
 	SameNetns  uint32
 	State      accelMwConnState
+	_          [4]byte
 	Obs        struct {
 		_         structs.HostLayout
 		Sent      [2]uint64
@@ -264,7 +267,7 @@ type accelMwSkState struct {
 	Budget      uint32
 	SeenBacklog uint32
 	SeenSent    uint32
-	Pad         uint32
+	ConnSlot    uint32
 }
 
 type accelMwSock struct {
@@ -412,6 +415,7 @@ const (
 	accelProgMwSysSendto           = "mw_sys_sendto"
 	accelProgMwSysSplice           = "mw_sys_splice"
 	accelVarAccelerate             = "accelerate"
+	accelVarConnSlots              = "conn_slots"
 	accelVarInboundCapturePort     = "inbound_capture_port"
 	accelVarLeaveClockOwner        = "leave_clock_owner"
 	accelVarObsBoundsNs            = "obs_bounds_ns"
@@ -530,6 +534,7 @@ type accelMapSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelVariableSpecs struct {
 	Accelerate             *ebpf.VariableSpec `ebpf:"accelerate"`
+	ConnSlots              *ebpf.VariableSpec `ebpf:"conn_slots"`
 	InboundCapturePort     *ebpf.VariableSpec `ebpf:"inbound_capture_port"`
 	LeaveClockOwner        *ebpf.VariableSpec `ebpf:"leave_clock_owner"`
 	ObsBoundsNs            *ebpf.VariableSpec `ebpf:"obs_bounds_ns"`
@@ -626,6 +631,7 @@ func (m *accelMaps) Close() error {
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelVariables struct {
 	Accelerate             *ebpf.Variable `ebpf:"accelerate"`
+	ConnSlots              *ebpf.Variable `ebpf:"conn_slots"`
 	InboundCapturePort     *ebpf.Variable `ebpf:"inbound_capture_port"`
 	LeaveClockOwner        *ebpf.Variable `ebpf:"leave_clock_owner"`
 	ObsBoundsNs            *ebpf.Variable `ebpf:"obs_bounds_ns"`

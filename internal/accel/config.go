@@ -133,6 +133,7 @@ func dataPathConstants(v *accelVariableSpecs, cfg Config) []constant {
 	}
 	return []constant{
 		{v.SidecarUid, cfg.SidecarUID},
+		{v.ConnSlots, cfg.SockhashCapacity},
 		{v.OutboundCapturePort, uint32(cfg.OutboundPort)},
 		{v.InboundCapturePort, uint32(cfg.InboundPort)},
 		{v.UnpairedTimeoutNs, uint64(cfg.UnpairedTimeout.Nanoseconds())},

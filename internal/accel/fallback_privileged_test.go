@@ -3,6 +3,8 @@
 package accel
 
 import (
+	"bytes"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -263,5 +265,68 @@ func TestPrivilegedFallbackPolicyAcceptingSide(t *testing.T) {
 	}
 	if d := run(); d.RedirectedBytes == 0 {
 		t.Fatal("without the exclusion the redirected connections were not accelerated")
+	}
+}
+
+// usedConnSlots counts the mw_conns slots that hold a connection or are
+// claimed.
+func usedConnSlots(t *testing.T, a *Agent) int {
+	t.Helper()
+	var (
+		slot uint32
+		c    accelMwConn
+		used int
+	)
+	it := a.objs.MwConns.Iterate()
+	for it.Next(&slot, &c) {
+		if c.State != 0 || c.Id != (accelMwConnId{}) {
+			used++
+		}
+	}
+	if err := it.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return used
+}
+
+// A connection's mw_conns slot goes back when its connecting side closes,
+// and the accepting side finds a connection that had to take a slot other
+// than its home one: with 4 slots, two connections open at a time, 60
+// times over, every connection is paired (pairedConn fails otherwise), its
+// bytes arrive, and no slot stays taken.
+func TestPrivilegedConnSlotsReusedAndProbed(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	a := startAgent(t, Config{SockhashCapacity: 4})
+	ln := mustListen(t, "127.0.0.1:0")
+	defer ln.Close()
+	before := stats(t, a)
+	for round := range 60 {
+		var conns []net.Conn
+		for range 2 {
+			c, s := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+			conns = append(conns, c, s)
+		}
+		for i := 0; i < len(conns); i += 2 {
+			msg := []byte(fmt.Sprintf("round %d conn %d", round, i/2))
+			if _, err := conns[i].Write(msg); err != nil {
+				t.Fatal(err)
+			}
+			got := make([]byte, len(msg))
+			if _, err := io.ReadFull(conns[i+1], got); err != nil || !bytes.Equal(got, msg) {
+				t.Fatalf("round %d: read %q, %v; want %q", round, got, err, msg)
+			}
+		}
+		for _, c := range conns {
+			c.Close()
+		}
+		for deadline := time.Now().Add(hangGuard); usedConnSlots(t, a) != 0; time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("round %d: %d slots still taken after both connections closed", round, usedConnSlots(t, a))
+			}
+		}
+	}
+	d := stats(t, a).Sub(before)
+	if d.PairedSockets != 240 || d.RedirectedBytes == 0 {
+		t.Fatalf("paired sockets %d (want 240), redirected bytes %d", d.PairedSockets, d.RedirectedBytes)
 	}
 }

@@ -27,17 +27,18 @@ const releaseGrace = 10 * time.Millisecond
 func releaseUnpaired(conns, sockhash *ebpf.Map) (int, error) {
 	time.Sleep(releaseGrace)
 	var (
-		id      accelMwConnId
+		slot    uint32
 		c       accelMwConn
 		removed int
 		errs    []error
 	)
 	it := conns.Iterate()
-	for it.Next(&id, &c) {
-		if c.State == accelMwConnStateMW_CONN_PAIRED {
+	for it.Next(&slot, &c) {
+		// A free slot (state 0), or a paired connection.
+		if c.State == 0 || c.State == accelMwConnStateMW_CONN_PAIRED {
 			continue
 		}
-		key := accelMwSockKey{Conn: id, ActiveCookie: c.ActiveCookie, Role: accelMwRoleMW_ROLE_ACTIVE}
+		key := accelMwSockKey{Conn: c.Id, ActiveCookie: c.ActiveCookie, Role: accelMwRoleMW_ROLE_ACTIVE}
 		switch err := sockhash.Delete(&key); {
 		case err == nil:
 			removed++
