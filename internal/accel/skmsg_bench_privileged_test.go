@@ -17,8 +17,8 @@ import (
 
 // BenchmarkPrivilegedSkmsgPerMessage: the BPF run time of mw_skmsg per
 // redirected message (the kernel's run-time statistics), for a loopback
-// ping-pong on one paired connection, by message size, with and without
-// observation. Reported as bpf-ns/msg; ns/op is the round trip.
+// ping-pong on one paired connection, by message size and for HTTP/1.1
+// exchanges, with and without observation. Reported as bpf-ns/msg; ns/op is the round trip.
 //
 //	go test -run '^$' -bench SkmsgPerMessage -benchtime 100000x ./internal/accel
 func BenchmarkPrivilegedSkmsgPerMessage(b *testing.B) {
@@ -33,23 +33,36 @@ func BenchmarkPrivilegedSkmsgPerMessage(b *testing.B) {
 }
 
 func benchSkmsgSizes(b *testing.B, a *Agent) {
+	type exchange struct {
+		name      string
+		req, resp []byte // the client's message and the server's answer
+	}
+	var cases []exchange
 	for _, size := range []int{64, 1024, 16384} {
-		b.Run(fmt.Sprintf("size=%d", size), func(b *testing.B) {
+		cases = append(cases, exchange{fmt.Sprintf("size=%d", size), make([]byte, size), make([]byte, size)})
+	}
+	// HTTP/1.1 both ways: with observation, each request and response is
+	// timed with the precise clock and each response adds to a flow.
+	pad := func(s string, n int) []byte { return append([]byte(s), make([]byte, n-len(s))...) }
+	cases = append(cases, exchange{"http=64",
+		pad("GET /echo HTTP/1.1\r\nHost: x\r\n\r\n", 64), pad("HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", 64)})
+	for _, ex := range cases {
+		b.Run(ex.name, func(b *testing.B) {
 			ln := mustListen(b, "127.0.0.1:0")
 			defer ln.Close()
 			c, s := pairedConn(b, a, ln, dialer(ln.Addr().String()))
 			defer c.Close()
 			defer s.Close()
-			buf := make([]byte, size)
+			buf := make([]byte, max(len(ex.req), len(ex.resp)))
 			echo := func(w, r interface {
 				Write([]byte) (int, error)
 				Read([]byte) (int, error)
-			}) {
-				if _, err := w.Write(buf); err != nil {
+			}, msg []byte) {
+				if _, err := w.Write(msg); err != nil {
 					b.Fatal(err)
 				}
-				for got := 0; got < size; {
-					n, err := r.Read(buf[got:])
+				for got := 0; got < len(msg); {
+					n, err := r.Read(buf[got:len(msg)])
 					if err != nil {
 						b.Fatal(err)
 					}
@@ -59,8 +72,8 @@ func benchSkmsgSizes(b *testing.B, a *Agent) {
 			before, _ := a.objs.MwSkmsg.Stats()
 			b.ResetTimer()
 			for range b.N {
-				echo(c, s)
-				echo(s, c)
+				echo(c, s, ex.req)
+				echo(s, c, ex.resp)
 			}
 			b.StopTimer()
 			after, _ := a.objs.MwSkmsg.Stats()
