@@ -4,7 +4,7 @@
  * loads every program but the tap's; `meshwarp tap` loads only the tap's).
  *
  * Attach points: mw_sockops on a cgroup v2 directory (BPF_CGROUP_SOCK_OPS),
- * mw_skmsg on mw_sock_hash (BPF_SK_MSG_VERDICT), mw_skmsg_tap in its place
+ * mw_skmsg on mw_sock_map (BPF_SK_MSG_VERDICT), mw_skmsg_tap in its place
  * while a tap runs; mw_egress and mw_ingress (or their _obs variants) on
  * the cgroup (fin_order.h, hints.h, observe_skb.h); the programs of
  * learning.h (mw_sock_create, mw_post_bind4/6, mw_setsockopt, the syscall
@@ -13,7 +13,7 @@
  * bpf_skc_to_tcp_sock in sock_ops; sockmap links from 6.10, else
  * BPF_PROG_ATTACH: internal/probe decides per feature).
  * Maps owned (all pinned by name so a restarted agent adopts them):
- *   mw_sock_hash    SOCKHASH  mw_sock_key -> socket
+ *   mw_sock_map    SOCKHASH  mw_sock_key -> socket
  *   mw_conns        HASH      mw_conn_id  -> mw_conn (the pairing decision)
  *   mw_connecting, mw_unhinted                LRU_HASH   who may have a local peer
  *   mw_sk_store     SK_STORAGE (cloned)    mw_sock per socket (program, pairing, observation)
@@ -31,7 +31,7 @@
  *                  cgroup_skb and tp_btf programs
  *   hints.h        pairing step 0: who has a local peer (mw_ingress)
  *   pairing.h      pairing steps 1 and 2 (sock_ops ESTABLISHED)
- *   leave.h        leaving mw_sock_hash for TCP, and the close
+ *   leave.h        leaving mw_sock_map for TCP, and the close
  *   tap.h          what mw_skmsg_tap records
  *   redirect.h     the sk_msg decision and redirect
  *   learning.h     mw_sock_create, mw_post_bind4/6, mw_setsockopt, the
@@ -158,7 +158,7 @@ int mw_ingress_obs(struct __sk_buff *skb)
 	return 1;
 }
 
-/* mw_sock_hash (BPF_SK_MSG_VERDICT): the redirect (redirect.h). */
+/* mw_sock_map (BPF_SK_MSG_VERDICT): the redirect (redirect.h). */
 SEC("sk_msg")
 int mw_skmsg(struct sk_msg_md *msg)
 {

@@ -24,7 +24,7 @@ enum mw_role {
 };
 
 /*
- * Key of a socket in mw_sock_hash. The active socket's cookie (unique for the
+ * Key of a socket in mw_sock_map. The active socket's cookie (unique for the
  * boot) makes the key of a closed connection useless to a later connection
  * that happens to draw the same sequence numbers.
  */
@@ -52,7 +52,7 @@ enum mw_reason {
 	MW_REASON_NONE = 0,
 	MW_REASON_NO_PEER = 1,        /* first byte sent before (or without) a local peer socket */
 	MW_REASON_PEER_CLOSED = 2,    /* peer socket already closed: TCP answers like without meshwarp */
-	MW_REASON_SOCKHASH_FULL = 3,  /* mw_sock_hash or mw_conns at capacity */
+	MW_REASON_SOCKHASH_FULL = 3,  /* mw_sock_map or mw_conns at capacity */
 	MW_REASON_KEY_COLLISION = 4,  /* two live connections drew the same identity */
 	MW_REASON_ADDR_MISMATCH = 5,  /* the peer saw another source address (SNAT, masquerade): cannot prove the pair */
 	MW_REASON_POLICY = 6,         /* excluded by port/CIDR policy */
@@ -292,11 +292,10 @@ struct mw_obs_conn {
  */
 struct mw_conn {
 	/*
-	 * The connection the slot holds (maps.h, conn_claim): set by cmpxchg
-	 * from 0 when claimed, back to 0 when released; state is set last and
-	 * cleared first, so a slot with state 0 holds no connection. A
-	 * socket's lookup compares it with its own identity: a slot released
-	 * and claimed again is another connection's.
+	 * The connection the slot holds (maps.h, conn_claim), written when
+	 * claimed; state is set last and cleared first (when the connecting
+	 * side closes), so a slot with state 0 holds no live connection. A
+	 * lookup compares it with its own identity.
 	 */
 	struct mw_conn_id id;
 	/*
@@ -305,6 +304,14 @@ struct mw_conn {
 	 * (never cleared), so a lookup reads only those.
 	 */
 	__u32 probed;
+	/*
+	 * Who may still use the slot: MW_HOLD_* bits of its sockets, and the
+	 * leave poll's listings (polls). It is claimed again only when both
+	 * are 0, so a socket's index in mw_sock_map (maps.h, sock_index) names
+	 * this connection's socket or none while either end may send.
+	 */
+	__u32 holders;
+	__u32 polls;
 	/*
 	 * What every message reads or writes (redirect.h, observe.h) next to
 	 * the identity that the lookup has just compared, on its cache line.
@@ -317,7 +324,7 @@ struct mw_conn {
 	/*
 	 * A paired connection that continues on TCP as a whole (to_tcp set once,
 	 * by cmpxchg, with to_tcp_reason): each side switches its direction on
-	 * its next message, and both sockets leave mw_sock_hash once nothing
+	 * its next message, and both sockets leave mw_sock_map once nothing
 	 * redirected can be in flight or unread (see on_leave_check).
 	 */
 	__u32 dir[2];           /* enum mw_dir, by role - 1 */
@@ -327,6 +334,7 @@ struct mw_conn {
 	enum mw_hop hop;                 /* written before state becomes PAIRED */
 	__u32 active_is_sidecar;         /* the connecting socket belongs to the sidecar uid */
 	__u32 pending_us;                /* when it became PENDING: mw_now_us(), wraps in 73 min */
+	__u32 released_us;               /* when its connecting side closed (MW_HOLD_RESERVED lapses) */
 	__u32 counted_out;               /* bit role - 1: that socket is counted out of accelerated_sockets (leave.h) */
 	/*
 	 * Kernel addresses of the two sockets (struct sock), for reading the
@@ -387,14 +395,14 @@ struct mw_sk_state {
 	__u32 decision; /* 0 = undecided, else enum mw_conn_state PAIRED/PASSTHROUGH */
 	__u32 reason;
 	__u32 hop;
-	__u32 owns_conn; /* this socket claimed its connection's mw_conns slot and releases it on close */
+	__u32 holds;     /* the MW_HOLD_* bit this socket holds in its connection's slot, dropped at its close */
 	__u32 paired;    /* counted in sockets_paired; sticks when decision later changes */
 	__u32 credit;    /* bytes it may still redirect before reading its peer's backlog again (redirect.h) */
 	__u64 peer_sk;   /* the peer's struct sock address (see struct mw_conn) */
 	__u64 sent;      /* bytes this socket redirected: its stream offset (the tap's sequence numbers) */
 	__u64 run_bytes; /* bytes of this socket's messages since its peer last sent */
 	__u32 run_msgs;  /* and their count */
-	__u32 left;      /* left mw_sock_hash after its connection went to TCP (plain TCP since) */
+	__u32 left;      /* left mw_sock_map after its connection went to TCP (plain TCP since) */
 	__u64 redir_ns;  /* coarse clock at its last redirect (fin_order.h) */
 	/*
 	 * The redirect budget (redirect.h, over_budget): this direction's own,
@@ -453,7 +461,7 @@ struct mw_counters {
 	__u64 nat_port_remaps;     /* paired connections whose source port NAT rewrote on the way */
 	__u64 unfit_calls[MW_REASON_MAX]; /* calls that taught a learned reason (see mw_unfit_procs) */
 	/*
-	 * Connecting sockets kept off mw_sock_hash from the start (policy,
+	 * Connecting sockets kept off mw_sock_map from the start (policy,
 	 * splice_reader, no_local_peer) or taken out of it again, by the reason
 	 * of their connection: from then on they are plain TCP sockets.
 	 */

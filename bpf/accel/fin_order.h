@@ -12,7 +12,7 @@
  * its probe timer (TCP_RTO_MIN, 200 ms, or later), by when the redirect has
  * landed. A FIN is held only while a redirect may be on its way: the socket
  * redirected within MW_FIN_HOLD_NS and its psock has a user besides
- * mw_sock_hash (every tcp_bpf sendmsg holds a reference from start to end).
+ * mw_sock_map (every tcp_bpf sendmsg holds a reference from start to end).
  * A close() is not held: sock_map_close has dropped the psock by then, and
  * closing a socket another thread writes to is the application's race.
  *

@@ -13,7 +13,7 @@
  *   leaves every later connection of it to TCP, on any port.
  *
  * mw_setsockopt (cgroup/setsockopt on the agent's cgroup, always attached):
- *   an option the redirect ignores, set on a socket in mw_sock_hash. If
+ *   an option the redirect ignores, set on a socket in mw_sock_map. If
  *   nothing was redirected on its connection yet, the connection continues
  *   on TCP before its first byte, invisibly; else the bytes already
  *   redirected were read without it (kernel-limited), the connection goes
@@ -348,7 +348,7 @@ int mw_setsockopt(struct bpf_sockopt *ctx)
 		return 1;
 	st = pair_state(sk, false);
 	if (!st || !st->role || st->left)
-		return 1; /* not in mw_sock_hash: TCP honours it */
+		return 1; /* not in mw_sock_map: TCP honours it */
 	c = conn_of(st);
 	if (!c)
 		return 1;

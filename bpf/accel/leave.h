@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
- * Leaving mw_sock_hash, and the close (sock_ops HDR_OPT_LEN_CB and
+ * Leaving mw_sock_map, and the close (sock_ops HDR_OPT_LEN_CB and
  * PARSE_HDR_OPT_CB, asked for only by sockets in the hash; STATE_CB). A
  * paired connection whose direction went to TCP (redirect.h) gives its
  * sockets plain TCP back at their first TCP packet, once no byte can be lost
@@ -16,7 +16,7 @@
  * sendmsg of it that decided to redirect is still running. NEVER: it never
  * redirected; DRAINED: it switched when nothing of it was in flight. Else
  * every tcp_bpf sendmsg holds a reference on its psock from start to end
- * (redirect included), so a psock that is gone, or held by mw_sock_hash
+ * (redirect included), so a psock that is gone, or held by mw_sock_map
  * alone, has none running. A probe read after the peer was freed is
  * harmless: a closed peer has no sendmsg running either.
  */
@@ -106,7 +106,7 @@ static __always_inline void closing_stops_leave_checks(struct bpf_sock_ops *skop
  * response): only its own sk_msg switches it (redirect.h), so both sockets
  * would stay in the hash. Its own callback, under its socket lock, switches
  * it where that sk_msg would (switch_point), when no sendmsg of it is under
- * way (its psock held by mw_sock_hash alone: tcp_bpf's sendmsg holds a
+ * way (its psock held by mw_sock_map alone: tcp_bpf's sendmsg holds a
  * reference from before its verdict to after its redirect). A sendmsg that
  * starts later runs its verdict under the same lock, after this, and finds
  * the decision PASSTHROUGH.
@@ -126,7 +126,7 @@ static __always_inline void quiet_switch(struct mw_sk_state *st, struct mw_conn 
  * (on_leave_check). One that gets none after its conditions came true (a
  * reader whose TCP bytes were all acknowledged while it still had
  * redirected bytes to read; a requester that stopped sending) would stay in
- * mw_sock_hash, where FIONREAD counts only the empty redirect queue. So the
+ * mw_sock_map, where FIONREAD counts only the empty redirect queue. So the
  * switch puts its connection on mw_leave_polls, and the node's one leave
  * timer (mw_leave_clock) re-runs the check of every listed connection every
  * MW_LEAVE_POLL_NS until both its sockets are out, with the rule of the
@@ -175,19 +175,27 @@ static __always_inline void arm_leave_clock(struct mw_leave_clock *clock)
 }
 
 /* The switch (sk_msg, redirect.h): list the connection for the poll. */
-static __always_inline void poll_leave(const struct mw_sk_state *st)
+static __always_inline void poll_leave(const struct mw_sk_state *st, struct mw_conn *c)
 {
 	struct mw_leave_clock *clock = leave_clock();
 	__u32 slot = st->conn_slot;
 
 	if (!clock)
 		return;
+	/*
+	 * The listing holds the slot (mw_conn.polls) until the poll is done
+	 * with it; the sender counts it before it lists, and takes its count
+	 * back if the connection was listed already.
+	 */
+	__sync_fetch_and_add(&c->polls, 1);
 	if (bpf_map_update_elem(&mw_leave_polls, &st->peer.conn, &slot, BPF_NOEXIST) == 0)
 		__sync_fetch_and_add(&clock->polls, 1);
+	else
+		__sync_fetch_and_sub(&c->polls, 1);
 	arm_leave_clock(clock);
 }
 
-/* A socket of a connection gone to TCP left mw_sock_hash (either way: at a packet or by the poll). */
+/* A socket of a connection gone to TCP left mw_sock_map (either way: at a packet or by the poll). */
 static __always_inline void count_left(enum mw_reason reason)
 {
 	struct mw_counters *cnt = counters();
@@ -221,14 +229,15 @@ static __always_inline bool claim_count(struct mw_conn *c, __u32 me)
 }
 
 /*
- * Take the socket of role index me out of mw_sock_hash, and count it out
+ * Take the socket of role index me out of mw_sock_map, and count it out
  * unless counted already. Out already (a failed delete) means its
  * application closed it: close() unlinks it before its FIN. Counted closed.
  */
-static __always_inline void leave_and_count(struct mw_conn *c, struct mw_sock_key *key, __u32 me)
+static __always_inline void leave_and_count(struct mw_conn *c, __u32 slot, __u32 me)
 {
 	bool mine = claim_count(c, me);
-	long err = bpf_map_delete_elem(&mw_sock_hash, key);
+	__u32 index = sock_index(slot, me + 1);
+	long err = bpf_map_delete_elem(&mw_sock_map, &index);
 
 	if (!mine)
 		return;
@@ -241,7 +250,7 @@ static __always_inline void leave_and_count(struct mw_conn *c, struct mw_sock_ke
 /*
  * HDR_OPT_LEN_CB (the socket sends a TCP packet) and PARSE_HDR_OPT_CB (it
  * received one; the callback runs before the segment's bytes are queued). A
- * socket that will not (or no longer) redirect leaves mw_sock_hash, which
+ * socket that will not (or no longer) redirect leaves mw_sock_map, which
  * restores the plain TCP socket (tcp_sendmsg, native FIONREAD, PEEK,
  * SO_PEEK_OFF ...), once that cannot lose or reorder a byte:
  *  - its connection is PASSTHROUGH: it never was a redirect target;
@@ -260,7 +269,6 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 					   bool receiving)
 {
 	struct mw_sk_state *st = pair_state(sk, false);
-	struct mw_sock_key key;
 	struct tcp_sock *tp;
 	struct mw_conn *c;
 	__u32 me;
@@ -276,10 +284,8 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 		else if (pending_expired(c))
 			conn_passthrough(c, MW_REASON_UNPAIRED_TIMEOUT);
 	}
-	key = st->peer;
-	key.role = st->role;
 	if (c->state == MW_CONN_PASSTHROUGH) {
-		remove_socket(&key, c->reason);
+		remove_socket(st->conn_slot, st->role, c->reason);
 		goto done;
 	}
 	if (c->state != MW_CONN_PAIRED || !c->to_tcp)
@@ -294,17 +300,16 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 	    !own_dir_drained(c, me, (struct sock *)tp, receiving ? 1 : 2))
 		return;
 	c->dir[me] = MW_DIR_DRAINED;
-	leave_and_count(c, &key, me);
+	leave_and_count(c, st->conn_slot, me);
 	st->left = 1;
 	st->paired = 0;
 done:
 	stop_leave_checks(skops, cb_flags, MW_LEAVE_CHECK_FLAGS);
 }
 
-/* Whether the socket of role index me is out of mw_sock_hash (now or before). */
-static __always_inline bool leave_by_timer(const struct mw_conn_id *id, struct mw_conn *c, __u32 me)
+/* Whether the socket of role index me is out of mw_sock_map (now or before). */
+static __always_inline bool leave_by_timer(__u32 slot, struct mw_conn *c, __u32 me)
 {
-	struct mw_sock_key key = { .conn = *id, .active_cookie = c->active_cookie, .role = me + 1 };
 	__u64 self = me == 0 ? c->active_sk : c->passive_sk;
 
 	if (!self || !psock_of((struct sock *)self))
@@ -314,23 +319,26 @@ static __always_inline bool leave_by_timer(const struct mw_conn_id *id, struct m
 		return false;
 	c->dir[me & 1] = MW_DIR_DRAINED;
 	/* Its next packet finds it out (and counted): it only marks its own state. */
-	leave_and_count(c, &key, me);
+	leave_and_count(c, slot, me);
 	return true;
 }
 
 /* The poll of one listed connection: whether it is done (both sockets out, or closed). */
 static int leave_poll(void *map, struct mw_conn_id *id, __u32 *slot, void *ctx)
 {
-	struct mw_conn *c = conn_at(*slot, id);
+	/* The listing holds the slot (poll_leave): published or not, it is this connection's. */
+	struct mw_conn *c = conn_held(*slot, id);
 	struct mw_leave_clock *clock;
 	bool out = true;
 
 	if (c && c->state == MW_CONN_PAIRED && c->to_tcp) {
-		out = leave_by_timer(id, c, 0);
-		out = leave_by_timer(id, c, 1) && out;
+		out = leave_by_timer(*slot, c, 0);
+		out = leave_by_timer(*slot, c, 1) && out;
 	}
 	if (!out || bpf_map_delete_elem(&mw_leave_polls, id))
 		return 0;
+	if (c)
+		__sync_fetch_and_sub(&c->polls, 1);
 	clock = leave_clock();
 	if (clock)
 		__sync_fetch_and_sub(&clock->polls, 1);
@@ -361,9 +369,9 @@ static __always_inline void on_close(struct bpf_sock *sk)
 
 	if (!st)
 		return;
-	if (st->owns_conn) {
-		struct mw_conn_id id = st->peer.conn;
-		struct mw_conn *c = conn_of(st);
+	if (st->holds == MW_HOLD_ACTIVE) {
+		/* Its own hold keeps the slot this connection's (published until now). */
+		struct mw_conn *c = conn_held(st->conn_slot, &st->peer.conn);
 
 		/*
 		 * A passive side in the middle of pairing (between its lookup and
@@ -381,10 +389,11 @@ static __always_inline void on_close(struct bpf_sock *sk)
 				count_closed();
 		}
 		if (c) {
-			obs_conn_end(sk, c, MW_ROLE_ACTIVE);
-			conn_release(c, &id);
+			if (c->state)
+				obs_conn_end(sk, c, MW_ROLE_ACTIVE);
+			conn_end(c, mw_now_us());
 		}
-		st->owns_conn = 0;
+		st->holds = 0;
 	} else if (st->role == MW_ROLE_PASSIVE && st->peer.role == MW_ROLE_ACTIVE) {
 		/* Still there if the active side has not closed (it gave us its last bytes then). */
 		struct mw_conn *c = conn_of(st);
@@ -395,6 +404,12 @@ static __always_inline void on_close(struct bpf_sock *sk)
 			obs_conn_end(sk, c, MW_ROLE_PASSIVE);
 		} else if (st->paired) {
 			obs_passive_end(sk);
+		}
+		if (st->holds == MW_HOLD_PASSIVE) {
+			c = conn_held(st->conn_slot, &st->peer.conn);
+			if (c)
+				conn_drop(c, MW_HOLD_PASSIVE);
+			st->holds = 0;
 		}
 	}
 	st->decision = MW_CONN_PASSTHROUGH;

@@ -19,7 +19,7 @@ const volatile __u32 outbound_capture_port;
 const volatile __u32 inbound_capture_port;
 
 /*
- * How long a hinted active socket may wait in mw_sock_hash for its peer. The
+ * How long a hinted active socket may wait in mw_sock_map for its peer. The
  * peer is on this node: its ESTABLISHED follows within microseconds unless
  * the handshake's last ACK is lost.
  */
@@ -52,8 +52,6 @@ const volatile __u32 stream_small_bytes_remote; /* across namespaces (veth) */
 /* Capacity is set by the loader (MaxEntries); this is the default. */
 #define MW_DEFAULT_CAPACITY 65536
 
-MW_PINNED_MAP(BPF_MAP_TYPE_SOCKHASH, MW_DEFAULT_CAPACITY, struct mw_sock_key, __u64) mw_sock_hash SEC(".maps");
-
 /*
  * The connections: an array of slots, not a hash. A socket keeps its
  * connection's slot (mw_sk_state.conn_slot), so each message finds the
@@ -70,17 +68,64 @@ const volatile __u32 conn_slots = MW_DEFAULT_CAPACITY;
 /* At most this far from its home (mw_conn.probed has a bit for each). */
 #define MW_CONN_PROBES 32
 
-static __always_inline bool conn_is(const struct mw_conn *c, const struct mw_conn_id *id)
+/*
+ * The paired sockets, two per slot of mw_conns (sock_index): the redirect
+ * indexes an array where a SOCKHASH had to hash a key, compare it and walk
+ * a bucket, about three quarters of the redirect's cost (docs/BENCHMARKS.md
+ * section 36). An index is written only by the connection that holds its
+ * slot, and a slot is claimed again only when neither of its sockets can
+ * send any more (mw_conn.holders), so a socket that may still send finds
+ * its own peer at its peer's index, or nothing.
+ */
+MW_PINNED_MAP(BPF_MAP_TYPE_SOCKMAP, 2 * MW_DEFAULT_CAPACITY, __u32, __u64) mw_sock_map SEC(".maps");
+
+static __always_inline __u32 sock_index(__u32 slot, __u32 role)
 {
-	return c->id.active_isn1 == id->active_isn1 && c->id.passive_isn1 == id->passive_isn1 && c->state;
+	return slot * 2 + (role == MW_ROLE_ACTIVE ? 0 : 1);
 }
 
-/* Connection id in slot, or NULL (the slot was released, or holds another connection now). */
+/*
+ * mw_conn.holders bits. A sender holds its slot from before it can send
+ * until its close (STATE_CB to CLOSE, which a socket reaches only under its
+ * lock, so never inside its own sendmsg).
+ */
+#define MW_HOLD_ACTIVE 1   /* the connecting socket: from the claim to its close */
+#define MW_HOLD_PASSIVE 2  /* the accepted socket, paired: from its join to its close */
+#define MW_HOLD_RESERVED 4 /* for the accepted socket: from the claim until it joins or gives up */
+/*
+ * A reservation lapses this long after the connecting side closed: no
+ * accepted socket came (a late one no longer finds the slot, whose state is
+ * 0, and one that found it before finishes within its callback).
+ */
+#define MW_RESERVED_LAPSE_US (1000 * 1000)
+
+/*
+ * Whether c holds connection id (state read first: a claim writes the
+ * identity before it publishes the state, so a published state comes with
+ * its own identity).
+ */
+static __always_inline bool conn_is(const struct mw_conn *c, const struct mw_conn_id *id)
+{
+	__u32 state = c->state;
+
+	barrier();
+	return state && c->id.active_isn1 == id->active_isn1 && c->id.passive_isn1 == id->passive_isn1;
+}
+
+/* Connection id in slot, or NULL (its connecting side closed, or the slot holds another connection now). */
 static __always_inline struct mw_conn *conn_at(__u32 slot, const struct mw_conn_id *id)
 {
 	struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &slot);
 
 	return c && conn_is(c, id) ? c : NULL;
+}
+
+/* The slot of connection id, published or not: only for a holder of it (who keeps it from being claimed). */
+static __always_inline struct mw_conn *conn_held(__u32 slot, const struct mw_conn_id *id)
+{
+	struct mw_conn *c = bpf_map_lookup_elem(&mw_conns, &slot);
+
+	return c && c->id.active_isn1 == id->active_isn1 && c->id.passive_isn1 == id->passive_isn1 ? c : NULL;
 }
 
 /* sk's connection (st: its pairing state), or NULL: closed by its connecting side, or never paired. */
@@ -96,7 +141,7 @@ static __always_inline __u32 conn_home(const struct mw_conn_id *id, __u32 *slots
 	return (id->active_isn1 ^ (id->passive_isn1 * 0x9E3779B1u)) % *slots;
 }
 
-/* Connection id's slot (its number in *slot), or NULL: not claimed, or released. */
+/* Connection id's slot (its number in *slot), or NULL: not claimed, or its connecting side closed. */
 static __always_inline struct mw_conn *conn_find(const struct mw_conn_id *id, __u32 *slot)
 {
 	__u32 i, slots, idx = conn_home(id, &slots), probed;
@@ -119,26 +164,41 @@ static __always_inline struct mw_conn *conn_find(const struct mw_conn_id *id, __
 	return NULL;
 }
 
+/* Whether nobody holds slot c any more (now_us: mw_now_us()). */
+static __always_inline bool conn_free(const struct mw_conn *c, __u32 holders, __u32 now_us)
+{
+	if (c->polls)
+		return false;
+	return !holders ||
+	       (holders == MW_HOLD_RESERVED && !c->state && now_us - c->released_us > MW_RESERVED_LAPSE_US);
+}
+
 /*
  * Claim a free slot for connection id (its number in *slot), or NULL: all
- * MW_CONN_PROBES slots from its home are taken. The caller fills it and
+ * MW_CONN_PROBES slots from its home are taken. The connecting socket holds
+ * it, and it is reserved for the accepted one. The caller fills it and
  * sets state last (conn_publish); until then no lookup finds it.
  */
-static __always_inline struct mw_conn *conn_claim(const struct mw_conn_id *id, __u32 *slot)
+static __always_inline struct mw_conn *conn_claim(const struct mw_conn_id *id, __u32 *slot, __u32 now_us)
 {
-	__u64 want = (__u64)id->passive_isn1 << 32 | id->active_isn1;
-	__u32 i, slots, home = conn_home(id, &slots), idx = home;
+	__u32 i, slots, home = conn_home(id, &slots), idx = home, holders;
 	struct mw_conn *c, *h;
 
 	for (i = 0; i < MW_CONN_PROBES; i++, idx = idx + 1 < slots ? idx + 1 : 0) {
 		c = bpf_map_lookup_elem(&mw_conns, &idx);
-		if (c && !*(__u64 *)&c->id && __sync_val_compare_and_swap((__u64 *)&c->id, 0, want) == 0) {
-			*slot = idx;
-			h = i ? bpf_map_lookup_elem(&mw_conns, &home) : NULL;
-			if (h && !(h->probed & (1u << i)))
-				__sync_fetch_and_or(&h->probed, 1u << i);
-			return c;
-		}
+		if (!c)
+			continue;
+		holders = c->holders;
+		if (!conn_free(c, holders, now_us) ||
+		    __sync_val_compare_and_swap(&c->holders, holders, MW_HOLD_ACTIVE | MW_HOLD_RESERVED) != holders)
+			continue;
+		c->state = 0;
+		c->id = *id;
+		*slot = idx;
+		h = i ? bpf_map_lookup_elem(&mw_conns, &home) : NULL;
+		if (h && !(h->probed & (1u << i)))
+			__sync_fetch_and_or(&h->probed, 1u << i);
+		return c;
 	}
 	return NULL;
 }
@@ -150,18 +210,23 @@ static __always_inline void conn_publish(struct mw_conn *c, enum mw_conn_state s
 	c->state = state;
 }
 
-/* Free the slot: lookups stop finding it first, then it may be claimed again. */
-static __always_inline void conn_release(struct mw_conn *c, const struct mw_conn_id *id)
+/* This holder is done with slot c (conn_held or conn_at): the last one's drop frees it. */
+static __always_inline void conn_drop(struct mw_conn *c, __u32 hold)
 {
-	__u64 had = (__u64)id->passive_isn1 << 32 | id->active_isn1;
+	__sync_fetch_and_and(&c->holders, ~hold);
+}
 
+/* The connecting side closed: lookups stop finding the connection, and it lets go of the slot. */
+static __always_inline void conn_end(struct mw_conn *c, __u32 now_us)
+{
 	c->state = 0;
-	__sync_val_compare_and_swap((__u64 *)&c->id, had, 0);
+	c->released_us = now_us;
+	conn_drop(c, MW_HOLD_ACTIVE);
 }
 
 /*
  * The leave poll (leave.h): the connections whose sockets wait to leave
- * mw_sock_hash after a switch to TCP, and the one timer that checks them.
+ * mw_sock_map after a switch to TCP, and the one timer that checks them.
  * One timer for the node, not one per connection: a timer is an allocation
  * freed through RCU, and on 6.18 each such free costs an interrupt
  * (docs/BENCHMARKS.md section 29).
@@ -181,7 +246,7 @@ const volatile __u64 leave_clock_owner;
 /*
  * Step 0 notes (hints.h), not keyed by netns: the active side may be in
  * another namespace than its listener. They only let a socket join
- * mw_sock_hash; the pairing itself is proven by both sequence numbers
+ * mw_sock_map; the pairing itself is proven by both sequence numbers
  * (mw_conns), and the timer bounds a wrong note.
  */
 MW_PINNED_MAP(BPF_MAP_TYPE_LRU_HASH, MW_DEFAULT_CAPACITY, struct mw_syn_id, struct mw_connect) mw_connecting SEC(".maps");
@@ -314,7 +379,7 @@ static __always_inline void count_conn(__u32 reason)
 }
 
 /*
- * A connecting socket that stays off mw_sock_hash from the start: counted as
+ * A connecting socket that stays off mw_sock_map from the start: counted as
  * a connection left to TCP and as a socket kept off the data path.
  */
 static __always_inline void keep_off(__u32 reason)

@@ -126,7 +126,7 @@ static __always_inline void obs_skb(struct __sk_buff *skb, bool egress)
 	}
 	/*
 	 * The first payload segment this way since establishment, at the
-	 * stream's first byte, of a socket that never joined mw_sock_hash (a
+	 * stream's first byte, of a socket that never joined mw_sock_map (a
 	 * redirected byte does not move TCP's sequence numbers, so after a
 	 * switch to TCP the first segment is not the stream's start).
 	 */

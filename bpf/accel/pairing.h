@@ -3,7 +3,7 @@
  * Pairing (sock_ops ACTIVE_ESTABLISHED_CB and PASSIVE_ESTABLISHED_CB on the
  * agent's cgroup): which two sockets of the node are the ends of one
  * connection, proven by both initial sequence numbers, which NAT never
- * rewrites. Both join mw_sock_hash, so sk_msg (redirect.h) can move each
+ * rewrites. Both join mw_sock_map, so sk_msg (redirect.h) can move each
  * message straight into the peer's receive queue.
  *
  * How a connection is paired (once, never changed):
@@ -11,15 +11,15 @@
  *      source address and sequence number in mw_connecting; a listener of
  *      the cgroup receives a SYN (mw_ingress): mark its note received. No
  *      note received means no local peer in the cgroup (a remote host, a
- *      server outside the cgroup): such sockets never join mw_sock_hash.
+ *      server outside the cgroup): such sockets never join mw_sock_map.
  *      The notes only decide who joins; the pairing is proven in step 2.
  *      (hints.h)
  *   1. active side ESTABLISHED: if a listener of the cgroup received its
  *      SYN, claim a slot of mw_conns for id, PENDING (with the time), join
- *      mw_sock_hash.
+ *      mw_sock_map.
  *   2. passive side ESTABLISHED: if id's slot is PENDING (both initial
  *      sequence numbers match), no older than unpaired_timeout_ns, and the
- *      active side's address is our remote address, join mw_sock_hash, then
+ *      active side's address is our remote address, join mw_sock_map, then
  *      PENDING -> PAIRED.
  *   3. active side's first sendmsg: if still PENDING, PENDING -> PASSTHROUGH:
  *      that byte goes by TCP, and so does every later byte in both directions.
@@ -35,7 +35,7 @@
  * step 2: options on the socket, a learned port, a learned program (the one
  * that created the socket, or its listener: learning.h).
  *
- * Sockets that will not be paired leave mw_sock_hash, so the kernel gives
+ * Sockets that will not be paired leave mw_sock_map, so the kernel gives
  * them plain TCP back (tcp_bpf's FIONREAD, sendmsg and splice differ). A
  * socket is removed only when its connection is PASSTHROUGH, a final state:
  * a socket is a redirect target only of a PAIRED peer, so a removed socket
@@ -76,30 +76,26 @@ static __always_inline bool pending_expired(const struct mw_conn *c)
 }
 
 /*
- * Take a socket of a PASSTHROUGH connection out of mw_sock_hash (see the
+ * Take a socket of a PASSTHROUGH connection out of mw_sock_map (see the
  * header: it never was and never will be a redirect target). Only sock_ops
  * (and its timer callbacks) may delete from a SOCKHASH.
  */
-static __always_inline void remove_socket(struct mw_sock_key *key, __u32 reason)
+/* The socket of role at slot leaves mw_sock_map; the caller holds the slot. */
+static __always_inline void remove_socket(__u32 slot, __u32 role, __u32 reason)
 {
 	struct mw_counters *c;
+	__u32 index = sock_index(slot, role);
 
-	if (bpf_map_delete_elem(&mw_sock_hash, key))
+	if (bpf_map_delete_elem(&mw_sock_map, &index))
 		return; /* already removed, or closed */
 	c = counters();
 	if (c && reason < MW_REASON_MAX)
 		c->sockets_removed[reason]++;
 }
 
-static __always_inline void remove_active(const struct mw_conn_id *id, const struct mw_conn *c)
+static __always_inline void remove_active(__u32 slot, const struct mw_conn *c)
 {
-	struct mw_sock_key key = {
-		.conn = *id,
-		.active_cookie = c->active_cookie,
-		.role = MW_ROLE_ACTIVE,
-	};
-
-	remove_socket(&key, c->reason);
+	remove_socket(slot, MW_ROLE_ACTIVE, c->reason);
 }
 
 /* Policy on the destination the application asked for (the active side's remote). */
@@ -231,7 +227,7 @@ static __always_inline void conn_passthrough(struct mw_conn *c, __u32 reason)
 	}
 }
 
-/* Why a socket could not join mw_sock_hash (bpf_sock_hash_update's error). */
+/* Why a socket could not join mw_sock_map (bpf_sock_hash_update's error). */
 static __always_inline __u32 join_error_reason(long err)
 {
 	return err == -EBUSY ? MW_REASON_SOCKMAP_BUSY : MW_REASON_SOCKHASH_FULL;
@@ -256,7 +252,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	struct mw_sk_state *st;
 	struct mw_conn *c, *other;
 	struct mw_conn_id id = { .active_isn1 = snd_nxt, .passive_isn1 = rcv_nxt };
-	__u32 reason, slot, *learned;
+	__u32 reason, slot, index, now_us, *learned;
 	bool hinted;
 	long err;
 
@@ -302,8 +298,9 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	 * slot it may take is in use. Neither may be paired: a passive socket
 	 * could not tell which active socket it belongs to.
 	 */
+	now_us = mw_now_us();
 	other = conn_find(&id, &slot);
-	c = other ? NULL : conn_claim(&id, &slot);
+	c = other ? NULL : conn_claim(&id, &slot, now_us);
 	if (!c) {
 		reason = other ? MW_REASON_KEY_COLLISION : MW_REASON_SOCKHASH_FULL;
 		if (other && __sync_val_compare_and_swap(&other->state, MW_CONN_PENDING,
@@ -323,19 +320,20 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	c->active_remote = t.remote;
 	c->active_is_sidecar = socket_uid(sk) == sidecar_uid;
 	c->active_netns = bpf_get_netns_cookie(skops);
-	c->pending_us = mw_now_us();
+	c->pending_us = now_us;
 	obs_joins(st, &c->obs.side[0]);
 	conn_publish(c, MW_CONN_PENDING);
-	st->owns_conn = 1;
+	st->holds = MW_HOLD_ACTIVE;
 	st->peer.conn = id;
 	st->conn_slot = slot;
-	/* STATE_CB lets us release the slot when this socket closes. */
+	/* STATE_CB lets us let go of the slot when this socket closes. */
 	want_callbacks(skops, cb_flags);
 
 	key.conn = id;
 	key.active_cookie = c->active_cookie;
 	key.role = MW_ROLE_ACTIVE;
-	err = bpf_sock_hash_update(skops, &mw_sock_hash, &key, BPF_NOEXIST);
+	index = sock_index(slot, MW_ROLE_ACTIVE);
+	err = bpf_sock_map_update(skops, &mw_sock_map, &index, BPF_NOEXIST);
 	if (err) {
 		reason = join_error_reason(err);
 		conn_passthrough(c, reason);
@@ -386,76 +384,72 @@ static __always_inline void missed_local_peer(const struct mw_conn_id *id, const
 }
 
 /* The connection will not be paired: the active socket leaves the hash. */
-static __always_inline void passive_gives_up(struct mw_conn_id *id, struct mw_conn *c, __u32 reason)
+static __always_inline void passive_gives_up(__u32 slot, struct mw_conn *c, __u32 reason)
 {
 	conn_passthrough(c, reason);
 	if (c->state == MW_CONN_PASSTHROUGH)
-		remove_active(id, c);
+		remove_active(slot, c);
 }
 
-static __always_inline void on_passive_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
-						   __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags)
+/*
+ * Step 2 for the connection in slot c (found by its identity; the slot is
+ * reserved for this socket): whether this socket joined and the connection
+ * is PAIRED.
+ */
+static __always_inline bool passive_joins(struct bpf_sock_ops *skops, struct bpf_sock *sk, const struct mw_tuple *tp,
+					  struct mw_conn_id *idp, struct mw_conn *c, __u32 slot, __u32 cb_flags)
 {
-	struct mw_tuple t = {};
+	struct mw_conn_id id = *idp;
 	struct mw_sock_key key = {};
 	struct mw_sk_state *st;
 	struct mw_counters *cnt;
-	struct mw_conn *c;
-	struct mw_conn_id id = { .active_isn1 = rcv_nxt, .passive_isn1 = snd_nxt };
-	__u32 hop, reason, slot, *learned;
+	__u32 hop, reason, index, *learned;
 	long err;
 
-	sockops_tuple(skops, &t);
-	c = conn_find(&id, &slot);
-	if (!c) {
-		/* The connecting socket is not ours (remote host, other cgroup, excluded) or found no note. */
-		missed_local_peer(&id, &t.remote);
-		return;
-	}
 	if (c->state != MW_CONN_PENDING) {
 		/* Decided before we got here (first byte sent or received): release the active side. */
 		if (c->state == MW_CONN_PASSTHROUGH)
-			remove_active(&id, c);
-		return;
+			remove_active(slot, c);
+		return false;
 	}
 	/* Born late (the handshake's last ACK lost, a listener's full queue). */
 	if (pending_expired(c)) {
-		passive_gives_up(&id, c, MW_REASON_UNPAIRED_TIMEOUT);
-		return;
+		passive_gives_up(slot, c, MW_REASON_UNPAIRED_TIMEOUT);
+		return false;
 	}
 
 	reason = socket_unfit(sk);
 	if (reason) {
-		passive_gives_up(&id, c, reason);
-		return;
+		passive_gives_up(slot, c, reason);
+		return false;
 	}
-	if (policy_excludes(&t.local)) {
-		passive_gives_up(&id, c, MW_REASON_POLICY);
-		return;
+	if (policy_excludes(&tp->local)) {
+		passive_gives_up(slot, c, MW_REASON_POLICY);
+		return false;
 	}
-	learned = bpf_map_lookup_elem(&mw_unfit_lport, &t.local.port_host);
+	learned = bpf_map_lookup_elem(&mw_unfit_lport, &tp->local.port_host);
 	if (learned) {
-		passive_gives_up(&id, c, *learned);
-		return;
+		passive_gives_up(slot, c, *learned);
+		return false;
 	}
 	reason = prog_unfit(sk);
 	if (reason) {
-		passive_gives_up(&id, c, reason);
-		return;
+		passive_gives_up(slot, c, reason);
+		return false;
 	}
 	/*
 	 * REDIRECT/DNAT rewrite the destination; the source address stays and
 	 * must match. The source port may not: conntrack remaps it when the
 	 * rewritten tuple collides with another entry.
 	 */
-	if (!addr_eq(&c->active_local, &t.remote)) {
-		passive_gives_up(&id, c, MW_REASON_ADDR_MISMATCH);
-		return;
+	if (!addr_eq(&c->active_local, &tp->remote)) {
+		passive_gives_up(slot, c, MW_REASON_ADDR_MISMATCH);
+		return false;
 	}
 	st = pair_state(sk, true);
 	if (!st) {
-		passive_gives_up(&id, c, MW_REASON_SOCKHASH_FULL);
-		return;
+		passive_gives_up(slot, c, MW_REASON_SOCKHASH_FULL);
+		return false;
 	}
 	st->role = MW_ROLE_PASSIVE;
 
@@ -463,17 +457,18 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 	key.active_cookie = c->active_cookie;
 	key.role = MW_ROLE_PASSIVE;
 	/* Join the hash before announcing PAIRED: the active side redirects to us then. */
-	err = bpf_sock_hash_update(skops, &mw_sock_hash, &key, BPF_NOEXIST);
+	index = sock_index(slot, MW_ROLE_PASSIVE);
+	err = bpf_sock_map_update(skops, &mw_sock_map, &index, BPF_NOEXIST);
 	if (err) {
 		reason = join_error_reason(err);
 		count_join_error(reason);
 		st->decision = MW_CONN_PASSTHROUGH;
 		st->reason = reason;
-		passive_gives_up(&id, c, reason);
-		return;
+		passive_gives_up(slot, c, reason);
+		return false;
 	}
 
-	hop = classify_hop(t.local.port_host, c);
+	hop = classify_hop(tp->local.port_host, c);
 	c->hop = hop;
 	c->passive_sk = (__u64)(unsigned long)sk;
 	c->same_netns = bpf_get_netns_cookie(skops) == c->active_netns;
@@ -487,13 +482,14 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		 */
 		st->decision = MW_CONN_PASSTHROUGH;
 		st->reason = c->reason;
-		remove_socket(&key, c->reason);
-		remove_active(&id, c);
-		return;
+		remove_socket(slot, MW_ROLE_PASSIVE, c->reason);
+		remove_active(slot, c);
+		return false;
 	}
 	st->peer = key;
 	st->peer.role = MW_ROLE_ACTIVE;
 	st->conn_slot = slot;
+	st->holds = MW_HOLD_PASSIVE;
 	st->peer_sk = c->active_sk;
 	st->hop = hop;
 	/* The decision (and this side's direction) is claimed on the first message. */
@@ -505,9 +501,31 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		cnt->sockets_paired += 2;
 		if (hop < MW_HOP_MAX)
 			cnt->hop_conns[hop]++;
-		if (c->active_local.port_host != t.remote.port_host)
+		if (c->active_local.port_host != tp->remote.port_host)
 			cnt->nat_port_remaps++;
 	}
+	return true;
+}
+
+static __always_inline void on_passive_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
+						   __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags)
+{
+	struct mw_tuple t = {};
+	struct mw_conn_id id = { .active_isn1 = rcv_nxt, .passive_isn1 = snd_nxt };
+	struct mw_conn *c;
+	__u32 slot;
+
+	sockops_tuple(skops, &t);
+	c = conn_find(&id, &slot);
+	if (!c) {
+		/* The connecting socket is not ours (remote host, other cgroup, excluded) or found no note. */
+		missed_local_peer(&id, &t.remote);
+		return;
+	}
+	/* Its own hold first, so the slot never goes free in between; then the reservation goes. */
+	if (passive_joins(skops, sk, &t, &id, c, slot, cb_flags))
+		__sync_fetch_and_or(&c->holders, MW_HOLD_PASSIVE);
+	conn_drop(c, MW_HOLD_RESERVED);
 }
 
 #endif /* MESHWARP_PAIRING_H */

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
- * The redirect (sk_msg on mw_sock_hash, BPF_SK_MSG_VERDICT; mw_skmsg in
+ * The redirect (sk_msg on mw_sock_map, BPF_SK_MSG_VERDICT; mw_skmsg in
  * accel.bpf.c): runs on every sendmsg of a socket in the hash. A paired
  * socket's message goes straight into its peer's receive queue
  * (BPF_F_INGRESS); the decision is taken once per socket on its first
@@ -19,7 +19,7 @@ static __always_inline void decide(struct mw_sk_state *st, struct bpf_sock *sk)
 	struct tcp_sock *tp;
 
 	/*
-	 * A write that entered sendmsg before this socket joined mw_sock_hash
+	 * A write that entered sendmsg before this socket joined mw_sock_map
 	 * (one racing connect, TCP Fast Open's first write) went by TCP: this
 	 * direction stays on TCP, or redirected bytes could overtake it.
 	 */
@@ -102,14 +102,14 @@ static __always_inline void to_tcp(struct mw_sk_state *st, struct mw_conn *c, __
 	st->reason = c->to_tcp_reason;
 	__sync_val_compare_and_swap(&c->dir[me], MW_DIR_REDIRECT, dir);
 	__sync_val_compare_and_swap(&c->dir[1 - me], MW_DIR_UNDECIDED, MW_DIR_NEVER);
-	poll_leave(st);
+	poll_leave(st, c);
 }
 
 /*
  * Whether this side may move its direction to TCP now without any reader
  * seeing two queues: both redirect queues are empty (the peer read all we
  * sent, we read all it sent) and no other sendmsg of ours is on its way
- * (own_dir_drained). Then each socket leaves mw_sock_hash at its first TCP
+ * (own_dir_drained). Then each socket leaves mw_sock_map at its first TCP
  * packet, before the packet's bytes are queued (on_leave_check).
  */
 static __always_inline bool switch_point(struct mw_conn *c, struct mw_sk_state *st, struct bpf_sock *sk)
@@ -279,7 +279,8 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 					__sync_val_compare_and_swap(&c->dir[dir_index(st->role)], MW_DIR_REDIRECT,
 								    MW_DIR_TCP);
 			}
-		} else if (bpf_msg_redirect_hash(msg, &mw_sock_hash, &st->peer, BPF_F_INGRESS) == SK_PASS) {
+		} else if (bpf_msg_redirect_map(msg, &mw_sock_map, sock_index(st->conn_slot, st->peer.role), BPF_F_INGRESS) ==
+			   SK_PASS) {
 			if (tap)
 				tap_record(msg, st, size);
 			if (observe && c)

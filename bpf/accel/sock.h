@@ -101,10 +101,10 @@ static __always_inline void want_state_cb(struct bpf_sock_ops *skops, __u32 flag
 }
 
 /*
- * For a socket in mw_sock_hash: STATE_CB (the close), and a callback for
+ * For a socket in mw_sock_map: STATE_CB (the close), and a callback for
  * each TCP packet the socket sends (WRITE_HDR_OPT_CB: HDR_OPT_LEN_CB) or
  * receives (PARSE_ALL_HDR_OPT_CB: PARSE_HDR_OPT_CB), where it leaves
- * mw_sock_hash once it will not redirect any more (on_leave_check). A paired
+ * mw_sock_map once it will not redirect any more (on_leave_check). A paired
  * connection sends and receives no TCP packets while it redirects, so this
  * costs nothing until then.
  */
@@ -225,7 +225,7 @@ static __always_inline __u32 dir_index(__u32 role)
 	return role == MW_ROLE_ACTIVE ? 0 : 1;
 }
 
-/* References on sk's psock (0 without one): mw_sock_hash holds one, each running sendmsg/recvmsg one. */
+/* References on sk's psock (0 without one): mw_sock_map holds one, each running sendmsg/recvmsg one. */
 static __always_inline __u32 psock_refs(struct sock *sk)
 {
 	struct sk_psock *psock = psock_of(sk);

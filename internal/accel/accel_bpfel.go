@@ -23,6 +23,8 @@ type accelMwConn struct {
 	_          structs.HostLayout
 	Id         accelMwConnId
 	Probed     uint32
+	Holders    uint32
+	Polls      uint32
 	ToTcp      uint32
 	LastSender uint32
 	SameNetns  uint32
@@ -50,7 +52,9 @@ type accelMwConn struct {
 	Hop             accelMwHop
 	ActiveIsSidecar uint32
 	PendingUs       uint32
+	ReleasedUs      uint32
 	CountedOut      uint32
+	_               [4]byte
 	ActiveSk        uint64
 	PassiveSk       uint64
 	ActiveNetns     uint64
@@ -254,7 +258,7 @@ type accelMwSkState struct {
 	Decision    uint32
 	Reason      uint32
 	Hop         uint32
-	OwnsConn    uint32
+	Holds       uint32
 	Paired      uint32
 	Credit      uint32
 	_           [4]byte
@@ -382,7 +386,7 @@ const (
 	accelMapMwPolicy               = "mw_policy"
 	accelMapMwPortPolicy           = "mw_port_policy"
 	accelMapMwSkStore              = "mw_sk_store"
-	accelMapMwSockHash             = "mw_sock_hash"
+	accelMapMwSockMap              = "mw_sock_map"
 	accelMapMwStats                = "mw_stats"
 	accelMapMwTapCounters          = "mw_tap_counters"
 	accelMapMwTapRing              = "mw_tap_ring"
@@ -517,7 +521,7 @@ type accelMapSpecs struct {
 	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
-	MwSockHash    *ebpf.MapSpec `ebpf:"mw_sock_hash"`
+	MwSockMap     *ebpf.MapSpec `ebpf:"mw_sock_map"`
 	MwStats       *ebpf.MapSpec `ebpf:"mw_stats"`
 	MwTapCounters *ebpf.MapSpec `ebpf:"mw_tap_counters"`
 	MwTapRing     *ebpf.MapSpec `ebpf:"mw_tap_ring"`
@@ -586,7 +590,7 @@ type accelMaps struct {
 	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
-	MwSockHash    *ebpf.Map `ebpf:"mw_sock_hash"`
+	MwSockMap     *ebpf.Map `ebpf:"mw_sock_map"`
 	MwStats       *ebpf.Map `ebpf:"mw_stats"`
 	MwTapCounters *ebpf.Map `ebpf:"mw_tap_counters"`
 	MwTapRing     *ebpf.Map `ebpf:"mw_tap_ring"`
@@ -613,7 +617,7 @@ func (m *accelMaps) Close() error {
 		m.MwPolicy,
 		m.MwPortPolicy,
 		m.MwSkStore,
-		m.MwSockHash,
+		m.MwSockMap,
 		m.MwStats,
 		m.MwTapCounters,
 		m.MwTapRing,

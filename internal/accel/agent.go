@@ -131,7 +131,7 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 	if err != nil {
 		return nil, err
 	}
-	specs.MwSockHash.MaxEntries = cfg.SockhashCapacity
+	specs.MwSockMap.MaxEntries = 2 * cfg.SockhashCapacity // two sockets per mw_conns slot
 	specs.MwConns.MaxEntries = cfg.SockhashCapacity
 	specs.MwLeavePolls.MaxEntries = cfg.SockhashCapacity
 	obs, err := obsConstants(&specs.accelVariableSpecs, cfg)
@@ -173,22 +173,22 @@ func start(cfg Config, logger *slog.Logger, spec *ebpf.CollectionSpec) (_ *Agent
 		// in the map keep the program they joined with either way.
 		logger.Debug("sk_msg attached without a link", "reason", lerr)
 		if err := link.RawAttachProgram(link.RawAttachProgramOptions{
-			Target:  a.objs.MwSockHash.FD(),
+			Target:  a.objs.MwSockMap.FD(),
 			Program: a.objs.MwSkmsg,
 			Attach:  ebpf.AttachSkMsgVerdict,
 		}); err != nil {
-			return nil, fmt.Errorf("attach sk_msg to mw_sock_hash (BPF_PROG_ATTACH): %w", err)
+			return nil, fmt.Errorf("attach sk_msg to mw_sock_map (BPF_PROG_ATTACH): %w", err)
 		}
 	} else {
 		a.skmsg, err = attachOrUpdate(filepath.Join(cfg.PinDir, SkmsgLinkPin), a.objs.MwSkmsg, func() (link.Link, error) {
 			return link.AttachRawLink(link.RawLinkOptions{
-				Target:  a.objs.MwSockHash.FD(),
+				Target:  a.objs.MwSockMap.FD(),
 				Program: a.objs.MwSkmsg,
 				Attach:  ebpf.AttachSkMsgVerdict,
 			})
 		}, nil)
 		if err != nil {
-			return nil, fmt.Errorf("attach sk_msg to mw_sock_hash: %w", err)
+			return nil, fmt.Errorf("attach sk_msg to mw_sock_map: %w", err)
 		}
 		skmsg := a.skmsg
 		undo = append(undo, func() { skmsg.Close() })

@@ -4,6 +4,8 @@ package accel
 
 import (
 	"bytes"
+	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -11,8 +13,11 @@ import (
 	"os"
 	"slices"
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/meshwarp/meshwarp/internal/testutil"
 )
@@ -268,22 +273,16 @@ func TestPrivilegedFallbackPolicyAcceptingSide(t *testing.T) {
 	}
 }
 
-// usedConnSlots counts the mw_conns slots that hold a connection or are
-// claimed.
+// usedConnSlots counts the mw_conns slots that a socket or the leave poll
+// holds (bpf/accel/maps.h): those no new connection may take.
 func usedConnSlots(t *testing.T, a *Agent) int {
 	t.Helper()
-	var (
-		slot uint32
-		c    accelMwConn
-		used int
-	)
-	it := a.objs.MwConns.Iterate()
-	for it.Next(&slot, &c) {
-		if c.State != 0 || c.Id != (accelMwConnId{}) {
+	used := 0
+	if err := eachConn(a.objs.MwConns, func(_ uint32, c *accelMwConn) {
+		if c.Holders != 0 || c.Polls != 0 || c.State != 0 {
 			used++
 		}
-	}
-	if err := it.Err(); err != nil {
+	}); err != nil {
 		t.Fatal(err)
 	}
 	return used
@@ -328,5 +327,87 @@ func TestPrivilegedConnSlotsReusedAndProbed(t *testing.T) {
 	d := stats(t, a).Sub(before)
 	if d.PairedSockets != 240 || d.RedirectedBytes == 0 {
 		t.Fatalf("paired sockets %d (want 240), redirected bytes %d", d.PairedSockets, d.RedirectedBytes)
+	}
+}
+
+// A slot is taken again only when neither socket of its connection can
+// send. With one slot: a paired connection's connecting side goes away
+// (closed in TCP_REPAIR mode, which sends nothing, so its peer stays
+// established and may still write); a new connection is dialled to a
+// listener with TCP_DEFER_ACCEPT, so its connecting side is established
+// and its accepted side is not (it waits for data). The old accepted side
+// writes: its bytes must not reach the new connection's client, which had
+// the index its old peer had if the slot were free. Freeing the slot at the
+// connecting side's close makes that client receive them (checked).
+func TestPrivilegedNoMisdeliveryAfterSlotReuse(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	a := startAgent(t, Config{SockhashCapacity: 1})
+	ln := mustListen(t, "127.0.0.1:0")
+	defer ln.Close()
+	lc := net.ListenConfig{Control: func(_, _ string, raw syscall.RawConn) error {
+		var serr error
+		err := raw.Control(func(fd uintptr) {
+			serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_DEFER_ACCEPT, 30)
+		})
+		return errors.Join(err, serr)
+	}}
+	deferred, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer deferred.Close()
+	for round := range 10 {
+		oldClient, oldServer := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+		// The accepted side redirects once (its decision is made), then its peer goes silently.
+		if _, err := oldServer.Write([]byte("hello")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(oldClient, make([]byte, 5)); err != nil {
+			t.Fatal(err)
+		}
+		setRepair(t, oldClient)
+		oldClient.Close()
+		newClient, err := net.Dial("tcp", deferred.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := oldServer.Write([]byte("old connection's bytes")); err != nil {
+			t.Fatalf("round %d: write after the peer's close: %v", round, err)
+		}
+		// The write returned: a redirect would have queued its bytes already.
+		raw, err := newClient.(*net.TCPConn).SyscallConn()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var n int
+		var rerr error
+		raw.Control(func(fd uintptr) { n, _, rerr = unix.Recvfrom(int(fd), make([]byte, 64), unix.MSG_DONTWAIT) })
+		if !errors.Is(rerr, unix.EAGAIN) {
+			t.Fatalf("round %d: the new connection's client could read %d bytes (%v): another connection's", round, n, rerr)
+		}
+		for _, c := range []net.Conn{oldServer, newClient} {
+			c.Close()
+		}
+		for deadline := time.Now().Add(hangGuard); usedConnSlots(t, a) != 0; time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("round %d: the slot is still taken after every socket closed", round)
+			}
+		}
+	}
+}
+
+// setRepair puts a TCP socket in TCP_REPAIR mode: its close then sends
+// nothing to its peer.
+func setRepair(t *testing.T, c net.Conn) {
+	t.Helper()
+	raw, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var serr error
+	if err := raw.Control(func(fd uintptr) {
+		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_REPAIR, 1)
+	}); err != nil || serr != nil {
+		t.Fatalf("TCP_REPAIR: %v %v", err, serr)
 	}
 }

@@ -88,9 +88,10 @@ func readPinState(t *testing.T, pinDir string) pinState {
 
 // Upgrading to a build whose map layout differs, while connections stream:
 // the new build refuses clearly before it changes anything (same pins, same
-// maps, same programs), and the running data path loses nothing. Both a map
-// with type information in the kernel (mw_conns) and one without (the
-// SOCKHASH, checked through its siblings' types) are covered.
+// maps, same programs), and the running data path loses nothing. The
+// connections' slots (mw_conns) and the per-socket records (mw_sk_store)
+// are covered; mw_sock_map's index and value are integers whose meaning
+// comes with mw_conns'.
 func TestPrivilegedUpgradeToOtherLayoutRefused(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	a := startAgent(t, Config{})
@@ -113,7 +114,7 @@ func TestPrivilegedUpgradeToOtherLayoutRefused(t *testing.T) {
 	before := readPinState(t, a.cfg.PinDir)
 	statsBefore := stats(t, a)
 
-	for _, c := range []struct{ mapName, field string }{{accelMapMwConns, "state"}, {accelMapMwSockHash, "active_cookie"}} {
+	for _, c := range []struct{ mapName, field string }{{accelMapMwConns, "state"}, {accelMapMwSkStore, "obs"}} {
 		_, err := start(a.cfg, nil, otherBuild(t, c.mapName, c.field))
 		if !errors.Is(err, ErrLayoutMismatch) {
 			close(stop)

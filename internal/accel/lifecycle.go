@@ -64,7 +64,7 @@ func (a *Agent) Uninstall() (openSockets uint64, err error) {
 		errs = append(errs, a.sockops.Unpin(), a.sockops.Close())
 		a.sockops = nil
 	}
-	released, err := releaseUnpaired(a.objs.MwConns, a.objs.MwSockHash)
+	released, err := releaseUnpaired(a.objs.MwConns, a.objs.MwSockMap)
 	errs = append(errs, err)
 	for _, l := range a.hooks {
 		errs = append(errs, l.Unpin(), l.Close())

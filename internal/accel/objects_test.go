@@ -37,7 +37,7 @@ func TestPrivilegedAgentLoadsNoTap(t *testing.T) {
 	if a.objs.MwSkmsgTap != nil || a.objs.MwTapRing != nil || a.objs.MwTapScratch != nil || a.objs.MwTapCounters != nil {
 		t.Fatalf("the agent loaded the tap: %+v", a.objs)
 	}
-	if a.objs.MwSkmsg == nil || a.objs.MwSockHash == nil || a.objs.MwObsRecv == nil || a.objs.MwSysConnect == nil {
+	if a.objs.MwSkmsg == nil || a.objs.MwSockMap == nil || a.objs.MwObsRecv == nil || a.objs.MwSysConnect == nil {
 		t.Fatalf("the agent did not load its own programs and maps: %+v", a.objs)
 	}
 }

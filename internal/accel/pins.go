@@ -31,7 +31,7 @@ const (
 	ProgLinkPin    = "mw_prog_link"     // mw_sock_create on the cgroup
 	Bind4LinkPin   = "mw_bind4_link"    // mw_post_bind4 on the cgroup
 	Bind6LinkPin   = "mw_bind6_link"    // mw_post_bind6 on the cgroup
-	SkmsgLinkPin   = "mw_skmsg_link"    // mw_skmsg on mw_sock_hash (mw_skmsg_tap while a tap runs)
+	SkmsgLinkPin   = "mw_skmsg_link"    // mw_skmsg on mw_sock_map (mw_skmsg_tap while a tap runs)
 	ObsRecvLinkPin = "mw_obs_recv_link" // mw_obs_recv (Config.ObserveReads)
 )
 

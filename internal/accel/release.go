@@ -17,37 +17,65 @@ import (
 const releaseGrace = 10 * time.Millisecond
 
 // releaseUnpaired takes the connecting socket of every connection that is
-// not paired out of the SOCKHASH, once sock_ops is detached (Uninstall,
+// not paired out of mw_sock_map, once sock_ops is detached (Uninstall,
 // Cleanup). While the agent runs, such a socket leaves at its next packet
 // (bpf/accel/pairing.h); without sock_ops nothing would take it out, and
 // tcp_bpf would answer FIONREAD from its empty redirect queue for the rest
 // of its life. It never had a redirected byte (only a PAIRED connection
 // redirects), so removing it loses none. Paired connections stay: their
 // leave poll still runs (bpf/accel/leave.h). It returns how many it removed.
-func releaseUnpaired(conns, sockhash *ebpf.Map) (int, error) {
+func releaseUnpaired(conns, socks *ebpf.Map) (int, error) {
 	time.Sleep(releaseGrace)
 	var (
-		slot    uint32
-		c       accelMwConn
 		removed int
 		errs    []error
 	)
-	it := conns.Iterate()
-	for it.Next(&slot, &c) {
+	err := eachConn(conns, func(slot uint32, c *accelMwConn) {
 		// A free slot (state 0), or a paired connection.
 		if c.State == 0 || c.State == accelMwConnStateMW_CONN_PAIRED {
-			continue
+			return
 		}
-		key := accelMwSockKey{Conn: c.Id, ActiveCookie: c.ActiveCookie, Role: accelMwRoleMW_ROLE_ACTIVE}
-		switch err := sockhash.Delete(&key); {
+		index := sockIndex(slot, accelMwRoleMW_ROLE_ACTIVE)
+		switch err := socks.Delete(&index); {
 		case err == nil:
 			removed++
 		case !errors.Is(err, ebpf.ErrKeyNotExist):
 			errs = append(errs, fmt.Errorf("release an unpaired socket: %w", err))
 		}
-	}
-	errs = append(errs, it.Err())
+	})
+	errs = append(errs, err)
 	return removed, errors.Join(errs...)
+}
+
+// eachConn calls fn with every slot of mw_conns, read in batches (the map
+// is an array of 65536 slots by default: one lookup each would be 65536
+// system calls).
+func eachConn(conns *ebpf.Map, fn func(slot uint32, c *accelMwConn)) error {
+	const batch = 1024
+	keys := make([]uint32, batch)
+	vals := make([]accelMwConn, batch)
+	var cursor ebpf.MapBatchCursor
+	for {
+		n, err := conns.BatchLookup(&cursor, keys, vals, nil)
+		for i := range n {
+			fn(keys[i], &vals[i])
+		}
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return nil // the end
+		}
+		if err != nil {
+			return fmt.Errorf("read mw_conns: %w", err)
+		}
+	}
+}
+
+// sockIndex is where a socket of the connection in slot is in mw_sock_map
+// (bpf/accel/maps.h, sock_index).
+func sockIndex(slot uint32, role accelMwRole) uint32 {
+	if role == accelMwRoleMW_ROLE_ACTIVE {
+		return 2 * slot
+	}
+	return 2*slot + 1
 }
 
 // openPinnedRelease opens the maps pinned in pinDir for releaseUnpaired
@@ -67,14 +95,14 @@ func openPinnedRelease(pinDir string) (release func() (int, error), err error) {
 	if err != nil {
 		return nil, err
 	}
-	hash, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwSockHash), nil)
+	socks, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwSockMap), nil)
 	if err != nil {
 		conns.Close()
 		return nil, err
 	}
 	return func() (int, error) {
 		defer conns.Close()
-		defer hash.Close()
-		return releaseUnpaired(conns, hash)
+		defer socks.Close()
+		return releaseUnpaired(conns, socks)
 	}, nil
 }

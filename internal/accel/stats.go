@@ -222,7 +222,7 @@ func combineMap(a, b map[string]uint64, op func(a, b uint64) uint64) map[string]
 // mw_sockops is still loaded (a live agent with another pin directory).
 func DetachedSockets(pinDir string) (uint64, error) {
 	live := map[ebpf.MapID]bool{}
-	if m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwSockHash), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwSockMap), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
 		if info, err := m.Info(); err == nil {
 			id, _ := info.ID()
 			live[id] = true
@@ -249,11 +249,12 @@ func DetachedSockets(pinDir string) (uint64, error) {
 			continue // gone meanwhile, or not ours to open
 		}
 		info, err := m.Info()
-		if err == nil && info.Name == accelMapMwSockHash && info.Type == ebpf.SockHash {
-			var key accelMwSockKey
+		if err == nil && info.Name == accelMapMwSockMap && info.Type == ebpf.SockMap {
+			// Every index (an empty one is skipped): rare, after an uninstall.
+			var index uint32
 			var cookie uint64
 			it := m.Iterate()
-			for it.Next(&key, &cookie) {
+			for it.Next(&index, &cookie) {
 				open++
 			}
 		}
@@ -263,21 +264,29 @@ func DetachedSockets(pinDir string) (uint64, error) {
 }
 
 // SockhashCookies lists the socket cookies (SO_COOKIE) of the sockets in
-// mw_sock_hash right now: the sockets whose bytes meshwarp may redirect.
+// mw_sock_map right now: the sockets whose bytes meshwarp may redirect.
+// Only the indices of held mw_conns slots can hold one (bpf/accel/maps.h).
 func (a *Agent) SockhashCookies() ([]uint64, error) {
 	var (
-		key     accelMwSockKey
-		cookie  uint64
 		cookies []uint64
+		errs    []error
 	)
-	it := a.objs.MwSockHash.Iterate()
-	for it.Next(&key, &cookie) {
-		cookies = append(cookies, cookie)
-	}
-	if err := it.Err(); err != nil {
-		return nil, fmt.Errorf("read mw_sock_hash: %w", err)
-	}
-	return cookies, nil
+	err := eachConn(a.objs.MwConns, func(slot uint32, c *accelMwConn) {
+		if c.Holders == 0 {
+			return
+		}
+		for _, role := range []accelMwRole{accelMwRoleMW_ROLE_ACTIVE, accelMwRoleMW_ROLE_PASSIVE} {
+			index := sockIndex(slot, role)
+			var cookie uint64
+			switch err := a.objs.MwSockMap.Lookup(&index, &cookie); {
+			case err == nil:
+				cookies = append(cookies, cookie)
+			case !errors.Is(err, ebpf.ErrKeyNotExist):
+				errs = append(errs, fmt.Errorf("read mw_sock_map: %w", err))
+			}
+		}
+	})
+	return cookies, errors.Join(append(errs, err)...)
 }
 
 // Stats reads the counters.

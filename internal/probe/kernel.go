@@ -117,7 +117,7 @@ func KernelFeatures() []Feature {
 		add(Feature{Name: FeatureTap, On: true, How: "swaps mw_skmsg_tap into the sk_msg link while it runs"})
 	} else {
 		add(Feature{Name: FeatureSkMsgAttach, On: true,
-			How:    "BPF_PROG_ATTACH to mw_sock_hash (the pinned map keeps the program; a restarted agent attaches again, an atomic replace)",
+			How:    "BPF_PROG_ATTACH to mw_sock_map (the pinned map keeps the program; a restarted agent attaches again, an atomic replace)",
 			Reason: "no sockmap links before Linux " + kernelLinkSock + " (" + why(linkErr) + ")"})
 		add(Feature{Name: FeatureTap, On: false,
 			Reason: "needs the sk_msg program in a link to swap (BPF_LINK_UPDATE on a sockmap link, Linux " + kernelLinkSock + "): " + why(linkErr)})
