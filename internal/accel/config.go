@@ -67,7 +67,7 @@ const (
 	SmallStreamRemoteBytes = 256      // across namespaces (veth)
 )
 
-// DefaultCapacity is the default number of sockets (and connections) tracked.
+// DefaultCapacity is the default number of connections tracked at once (mw_conns slots).
 const DefaultCapacity = 65536
 
 // Config selects what the agent attaches to and what it accelerates.
@@ -83,7 +83,8 @@ type Config struct {
 	OutboundPort, InboundPort uint16
 	// Policy decides which connections may be accelerated.
 	Policy Policy
-	// SockhashCapacity bounds the number of accelerated sockets; 0 means DefaultCapacity.
+	// SockhashCapacity is the number of connections tracked at once (mw_conns slots, two
+	// sockets each in mw_sock_map); 0 means DefaultCapacity.
 	SockhashCapacity uint32
 	// UnpairedTimeout: see DefaultUnpairedTimeout; 0 means that.
 	UnpairedTimeout time.Duration

@@ -129,7 +129,7 @@ connection; exclude them up front so that no connection is affected.`,
 	f.StringVar(&o.pinDir, "pin-dir", DefaultPinDir(), "bpffs directory for pinned maps and links; one running agent per directory; $"+PinDirEnv+" sets the default")
 	f.StringVar(&o.metricsAddr, "metrics-addr", fmt.Sprintf("127.0.0.1:%d", DefaultMetricsPort), `address for /metrics and /healthz ("" disables)`)
 	f.Uint32Var(&o.sidecarUID, "sidecar-uid", accel.DefaultSidecarUID, "uid of the sidecar proxy (names the sidecar -> app hop)")
-	f.Uint32Var(&o.capacity, "capacity", accel.DefaultCapacity, "maximum accelerated sockets; beyond it connections use the normal stack")
+	f.Uint32Var(&o.capacity, "capacity", accel.DefaultCapacity, "connections tracked at once (each up to two accelerated sockets); beyond it connections use the normal stack")
 	f.DurationVar(&o.unpaired, "unpaired-timeout", accel.DefaultUnpairedTimeout,
 		"how long a connecting socket whose listener is in the cgroup may wait for its peer to be established before it is left to TCP")
 	f.BoolVar(&o.keepSmallStreams, "keep-small-streams", false,
