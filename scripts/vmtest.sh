@@ -65,8 +65,8 @@ accel_tests='NodeMemoryPressureBlocksWriter|IntegrityLoopback|IntegrityAcrossNet
 # was a lifetime of 2 minutes).
 accel_tests+='|LifecycleUnderLoad'
 # Uninstall and cleanup take a client still waiting for its peer out of the
-# SOCKHASH from userspace (internal/accel/release.go): what the kernel's
-# sockhash delete restores on a live socket.
+# SOCKMAP from userspace (internal/accel/release.go): what the kernel's
+# sockmap delete restores on a live socket.
 accel_tests+='|UninstallReleasesWaitingClient'
 # Learned programs: what the socket-creation and bind hooks see and what an
 # accepted socket inherits from its listener (BPF_F_CLONE) are kernel paths.

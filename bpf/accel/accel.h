@@ -451,7 +451,7 @@ struct mw_counters {
 	__u64 hop_bytes[MW_HOP_MAX];
 	__u64 sockets_paired; /* sockets that joined a paired connection */
 	__u64 sockets_closed; /* paired sockets that closed since */
-	__u64 sockets_left;   /* paired sockets that left the SOCKHASH when their connection went to TCP */
+	__u64 sockets_left;   /* paired sockets that left mw_sock_map when their connection went to TCP */
 	__u64 sockhash_full;
 	__u64 passthrough_msgs[MW_REASON_MAX];
 	__u64 passthrough_bytes[MW_REASON_MAX];

@@ -7,7 +7,7 @@
  * note when a listener of the cgroup receives that SYN; STATE_CB of a failed connect
  * withdraws it. Only a socket whose own SYN a listener of the cgroup
  * received joins mw_sock_map: connections to remote hosts or to servers
- * outside the cgroup never pay for the SOCKHASH, and a client outside the
+ * outside the cgroup never pay for the socket map, and a client outside the
  * cgroup cannot lend its SYN to one of ours (NAT rewrites ports, never the
  * sequence number).
  */

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
  * Leaving mw_sock_map, and the close (sock_ops HDR_OPT_LEN_CB and
- * PARSE_HDR_OPT_CB, asked for only by sockets in the hash; STATE_CB). A
+ * PARSE_HDR_OPT_CB, asked for only by sockets in the map; STATE_CB). A
  * paired connection whose direction went to TCP (redirect.h) gives its
  * sockets plain TCP back at their first TCP packet, once no byte can be lost
  * or reordered; a paired connection sends no TCP packets while it redirects,
@@ -104,7 +104,7 @@ static __always_inline void closing_stops_leave_checks(struct bpf_sock_ops *skop
  * The connection goes to TCP (c->to_tcp), but this socket's direction is
  * still REDIRECT and may never send again (a client awaiting a long
  * response): only its own sk_msg switches it (redirect.h), so both sockets
- * would stay in the hash. Its own callback, under its socket lock, switches
+ * would stay in the map. Its own callback, under its socket lock, switches
  * it where that sk_msg would (switch_point), when no sendmsg of it is under
  * way (its psock held by mw_sock_map alone: tcp_bpf's sendmsg holds a
  * reference from before its verdict to after its redirect). A sendmsg that
@@ -134,11 +134,11 @@ static __always_inline void quiet_switch(struct mw_sk_state *st, struct mw_conn 
  * state (st->left, the counters) is settled at their next callback or
  * close. sock_ops creates the timer at a pairing, once per load of the
  * programs (only sock_ops and its timer callbacks may delete from a
- * SOCKHASH: sk_msg may start the timer, not create it); the switch starts
+ * SOCKMAP: sk_msg may start the timer, not create it); the switch starts
  * it; it re-arms itself while the list is not empty. The poll ends with
  * the agent: the kernel cancels a map's timers once no file descriptor or
  * pin holds it, so a connection that switches after an uninstall keeps its
- * sockets in the hash until it closes (docs/ARCHITECTURE.md, "Leaving").
+ * sockets in the map until it closes (docs/ARCHITECTURE.md, "Leaving").
  */
 #define MW_LEAVE_POLL_NS (20 * 1000 * 1000ULL)
 
@@ -254,7 +254,7 @@ static __always_inline void leave_and_count(struct mw_conn *c, __u32 slot, __u32
  * restores the plain TCP socket (tcp_sendmsg, native FIONREAD, PEEK,
  * SO_PEEK_OFF ...), once that cannot lose or reorder a byte:
  *  - its connection is PASSTHROUGH: it never was a redirect target;
- *  - PENDING and a segment arrives (the active side only is in the hash):
+ *  - PENDING and a segment arrives (the active side only is in the map):
  *    the peer sends by TCP, so it is no local peer of ours: PASSTHROUGH;
  *    or it sends one after the unpaired timeout: PASSTHROUGH too;
  *  - PAIRED and gone to TCP: the peer will never redirect to it again

@@ -59,7 +59,7 @@ const volatile __u32 stream_small_bytes_remote; /* across namespaces (veth) */
  * hash lookup's calls (docs/BENCHMARKS.md section 35). A connection's home
  * slot comes from its identity; it takes the first free one of the
  * MW_CONN_PROBES from there (conn_claim), which is where the passive side
- * finds it (conn_find). Every slot is allocated up front, as the hash's
+ * finds it (conn_find). Every slot is allocated up front, as a hash's
  * elements were.
  */
 MW_PINNED_MAP(BPF_MAP_TYPE_ARRAY, MW_DEFAULT_CAPACITY, __u32, struct mw_conn) mw_conns SEC(".maps");

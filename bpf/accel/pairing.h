@@ -46,7 +46,7 @@
  * receives, or one it sends once the wait is over (its first byte, or the
  * ACK it gives a listener's retransmitted SYN-ACK when its handshake's last
  * ACK was lost). An active socket whose peer never comes and that sends and
- * receives nothing stays in the hash until it closes: with nothing queued,
+ * receives nothing stays in the map until it closes: with nothing queued,
  * tcp_bpf answers every call as TCP does. That is the price of no timer
  * per connection (the leave poll has one timer for the node: leave.h).
  */
@@ -76,11 +76,11 @@ static __always_inline bool pending_expired(const struct mw_conn *c)
 }
 
 /*
- * Take a socket of a PASSTHROUGH connection out of mw_sock_map (see the
- * header: it never was and never will be a redirect target). Only sock_ops
- * (and its timer callbacks) may delete from a SOCKHASH.
+ * Take the socket of role in slot, of a PASSTHROUGH connection, out of
+ * mw_sock_map (see the header: it never was and never will be a redirect
+ * target). The caller holds the slot, so the index is this connection's.
+ * Only sock_ops (and its timer callbacks) may delete from a SOCKMAP.
  */
-/* The socket of role at slot leaves mw_sock_map; the caller holds the slot. */
 static __always_inline void remove_socket(__u32 slot, __u32 role, __u32 reason)
 {
 	struct mw_counters *c;
@@ -227,7 +227,7 @@ static __always_inline void conn_passthrough(struct mw_conn *c, __u32 reason)
 	}
 }
 
-/* Why a socket could not join mw_sock_map (bpf_sock_hash_update's error). */
+/* Why a socket could not join mw_sock_map (bpf_sock_map_update's error; EEXIST: a closing socket still at the index). */
 static __always_inline __u32 join_error_reason(long err)
 {
 	return err == -EBUSY ? MW_REASON_SOCKMAP_BUSY : MW_REASON_SOCKHASH_FULL;
@@ -383,7 +383,7 @@ static __always_inline void missed_local_peer(const struct mw_conn_id *id, const
 	c->sockets_removed[reason]++;
 }
 
-/* The connection will not be paired: the active socket leaves the hash. */
+/* The connection will not be paired: the active socket leaves mw_sock_map. */
 static __always_inline void passive_gives_up(__u32 slot, struct mw_conn *c, __u32 reason)
 {
 	conn_passthrough(c, reason);
@@ -456,7 +456,7 @@ static __always_inline bool passive_joins(struct bpf_sock_ops *skops, struct bpf
 	key.conn = id;
 	key.active_cookie = c->active_cookie;
 	key.role = MW_ROLE_PASSIVE;
-	/* Join the hash before announcing PAIRED: the active side redirects to us then. */
+	/* Join the map before announcing PAIRED: the active side redirects to us then. */
 	index = sock_index(slot, MW_ROLE_PASSIVE);
 	err = bpf_sock_map_update(skops, &mw_sock_map, &index, BPF_NOEXIST);
 	if (err) {

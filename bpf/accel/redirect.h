@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
  * The redirect (sk_msg on mw_sock_map, BPF_SK_MSG_VERDICT; mw_skmsg in
- * accel.bpf.c): runs on every sendmsg of a socket in the hash. A paired
+ * accel.bpf.c): runs on every sendmsg of a socket in mw_sock_map. A paired
  * socket's message goes straight into its peer's receive queue
  * (BPF_F_INGRESS); the decision is taken once per socket on its first
  * message (step 3 of pairing.h) and cached in sk_storage. A direction that

@@ -21,7 +21,7 @@ import (
 // the cgroup, connecting to a cgroup listener from the same address while a
 // cgroup socket's connect to a server outside the cgroup is in flight, must
 // not lend its SYN to that socket: the cgroup socket stays out of the
-// SOCKHASH, and neither connection shows a difference: FIONREAD, reads and
+// SOCKMAP, and neither connection shows a difference: FIONREAD, reads and
 // writes are plain TCP's on all four sockets.
 
 func rawListen(t *testing.T, backlog int) (fd int, addr *unix.SockaddrInet4) {
@@ -175,10 +175,10 @@ func TestPrivilegedAdmissionOutsideClientDuringConnect(t *testing.T) {
 			t.Fatalf("%d messages redirected between sockets without a local peer", d.RedirectedMessages)
 		}
 		// The cgroup's client has no local peer: it is kept out of the
-		// SOCKHASH from the start (no_local_peer), never let in and taken
+		// SOCKMAP from the start (no_local_peer), never let in and taken
 		// out again (no_peer, unpaired_timeout).
 		if got := nonZero(d.RemovedSockets); len(got) != 1 || got["no_local_peer"] != 1 {
-			t.Fatalf("sockets kept off or taken out of the SOCKHASH: %v, want only the cgroup's client, kept off as no_local_peer", got)
+			t.Fatalf("sockets kept off or taken out of the SOCKMAP: %v, want only the cgroup's client, kept off as no_local_peer", got)
 		}
 		t.Logf("left to TCP: %v; removed: %v", nonZero(d.PassthroughConnections), nonZero(d.RemovedSockets))
 	})

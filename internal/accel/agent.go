@@ -1,16 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 
 // Package accel loads, attaches and pins the acceleration programs
-// (sock_ops + sk_msg + SOCKHASH, bpf/accel/accel.bpf.c), turns policy into
+// (sock_ops + sk_msg + SOCKMAP, bpf/accel/accel.bpf.c), turns policy into
 // maps, and owns the lifecycle: adopt pinned state on restart, replace
 // programs atomically on upgrade, uninstall without touching live sockets.
 //
 // Lifecycle facts this package is built around:
-//   - Deleting a socket from the SOCKHASH can discard bytes queued for it, so
+//   - Deleting a socket from the SOCKMAP can discard bytes queued for it, so
 //     only sock_ops deletes one, and only when nothing redirected to it can be
 //     lost (bpf/accel/pairing.h, leave.h); this package never deletes
 //     entries, and the kernel removes the other sockets when they close.
-//   - A socket in the SOCKHASH keeps its own reference to the sk_msg program,
+//   - A socket in the SOCKMAP keeps its own reference to the sk_msg program,
 //     which keeps the maps alive. Detaching and unpinning therefore stop only
 //     new connections; open accelerated connections keep working until they close.
 package accel

@@ -98,7 +98,7 @@ type Config struct {
 	// every connection of the cgroup, accelerated or not (bpf/accel/observe.h):
 	// /metrics, `meshwarp top`, `meshwarp trace`.
 	Observe bool
-	// ObserveOnly accelerates nothing: no socket joins the SOCKHASH (an
+	// ObserveOnly accelerates nothing: no socket joins the SOCKMAP (an
 	// observe-only node, or the baseline of the observation's own cost).
 	ObserveOnly bool
 	// CrossNode forwards pod packets between nodes past the node's bridge,

@@ -109,7 +109,7 @@ var mapTypes = []struct {
 	config string
 }{
 
-	{"map SOCKHASH", ebpf.SockHash, "holds the accelerated sockets", configSockMsg},
+	{"map SOCKMAP", ebpf.SockMap, "holds the accelerated sockets", configSockMsg},
 	{"map HASH", ebpf.Hash, "socket pairing and policy", configBPF},
 	{"map PERCPU_ARRAY", ebpf.PerCPUArray, "counters", configBPF},
 	{"map PERCPU_HASH", ebpf.PerCPUHash, "observation: the flow table", configBPF},
@@ -135,16 +135,16 @@ var helpers = []struct {
 	use    string
 	config string
 }{
-	{ebpf.SockOps, "sock_ops", asm.FnSockHashUpdate, "bpf_sock_hash_update", "adds sockets to the SOCKHASH", configSockMsg},
+	{ebpf.SockOps, "sock_ops", asm.FnSockMapUpdate, "bpf_sock_map_update", "adds sockets to the SOCKMAP", configSockMsg},
 	{ebpf.SockOps, "sock_ops", asm.FnSkStorageGet, "bpf_sk_storage_get", "per-socket pairing state", configCgroup},
-	{ebpf.SockOps, "sock_ops", asm.FnTimerInit, "bpf_timer_init", "the leave poll's timer: switched sockets leave the SOCKHASH (Linux 5.15)", configCgroup},
+	{ebpf.SockOps, "sock_ops", asm.FnTimerInit, "bpf_timer_init", "the leave poll's timer: switched sockets leave the SOCKMAP (Linux 5.15)", configCgroup},
 	{ebpf.SockOps, "sock_ops", asm.FnForEachMapElem, "bpf_for_each_map_elem", "the leave poll walks the switched connections (Linux 5.13)", configCgroup},
-	{ebpf.SockOps, "sock_ops", asm.FnMapDeleteElem, "bpf_map_delete_elem", "takes unpaired sockets out of the SOCKHASH", configCgroup},
+	{ebpf.SockOps, "sock_ops", asm.FnMapDeleteElem, "bpf_map_delete_elem", "takes unpaired sockets out of the SOCKMAP", configCgroup},
 	{ebpf.SockOps, "sock_ops", asm.FnGetSocketCookie, "bpf_get_socket_cookie", "per-connection identity", configCgroup},
 	{ebpf.SockOps, "sock_ops", asm.FnSockOpsCbFlagsSet, "bpf_sock_ops_cb_flags_set", "state-change callbacks (close)", configCgroup},
 	{ebpf.SockOps, "sock_ops", asm.FnSkcToTcpSock, "bpf_skc_to_tcp_sock", "reads TCP state (Linux 5.9, BTF, CAP_PERFMON)", configBTF},
 	{ebpf.SockOps, "sock_ops", asm.FnGetNetnsCookie, "bpf_get_netns_cookie", "whether a pair shares a namespace (small-stream threshold)", configCgroup},
-	{ebpf.SkMsg, "sk_msg", asm.FnMsgRedirectHash, "bpf_msg_redirect_hash", "the redirect itself", configSockMsg},
+	{ebpf.SkMsg, "sk_msg", asm.FnMsgRedirectMap, "bpf_msg_redirect_map", "the redirect itself", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnSkStorageGet, "bpf_sk_storage_get", "per-socket decision cache", configSockMsg},
 	{ebpf.SkMsg, "sk_msg", asm.FnSkcToTcpSock, "bpf_skc_to_tcp_sock", "sees bytes written before pairing (early_data)", configBTF},
 	{ebpf.SkMsg, "sk_msg", asm.FnKtimeGetCoarseNs, "bpf_ktime_get_coarse_ns", "when a socket last redirected (keeps its FIN behind it; Linux 5.11)", configSockMsg},
@@ -437,23 +437,23 @@ func (p *prober) receiveLimitation() {
 			"bytes sends FIN, not RST, and connect(AF_UNSPEC) keeps unread redirected bytes for the socket's " +
 			"next connection. " + learnedLater + ". FIONREAD after a writer fell back to TCP (backpressure) " +
 			"while the receiver also sends counts only the redirected bytes (when the whole connection went to " +
-			"TCP, small_stream or a one-way stream's backpressure, its sockets leave the SOCKHASH once those are " +
+			"TCP, small_stream or a one-way stream's backpressure, its sockets leave the SOCKMAP once those are " +
 			"read: native FIONREAD from then on)",
 		Fix: "exclude the ports of programs that rely on these up front: --exclude-ports"})
 }
 
-// sockmapLink attaches an sk_msg program to an empty SOCKHASH with
+// sockmapLink attaches an sk_msg program to an empty SOCKMAP with
 // BPF_LINK_CREATE (Linux 6.10): the agent pins the link so a restarted agent
 // can replace the program atomically. Optional: without it (Linux < 6.10) the agent attaches
-// sk_msg with BPF_PROG_ATTACH to the pinned SOCKHASH, and `meshwarp tap` is
+// sk_msg with BPF_PROG_ATTACH to the pinned SOCKMAP, and `meshwarp tap` is
 // off (see KernelFeatures).
 func (p *prober) sockmapLink() {
-	p.feature(CheckSockmapLink, false, "sk_msg attach as a pinnable link (Linux 6.10); without it: BPF_PROG_ATTACH to the pinned SOCKHASH, and no meshwarp tap",
+	p.feature(CheckSockmapLink, false, "sk_msg attach as a pinnable link (Linux 6.10); without it: BPF_PROG_ATTACH to the pinned SOCKMAP, and no meshwarp tap",
 		kernelLinkSock, configSockMsg, attachSockmapLink)
 }
 
 func attachSockmapLink() error {
-	m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.SockHash, KeySize: 4, ValueSize: 8, MaxEntries: 1})
+	m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.SockMap, KeySize: 4, ValueSize: 8, MaxEntries: 1})
 	if err != nil {
 		return fmt.Errorf("create sockhash: %w", err)
 	}

@@ -46,9 +46,9 @@ const (
 )
 
 // HaveSockmapLink reports whether an sk_msg program can be attached to a
-// SOCKHASH as a link (BPF_LINK_CREATE, Linux 6.10): pinnable, and its
+// SOCKMAP as a link (BPF_LINK_CREATE, Linux 6.10): pinnable, and its
 // program replaceable with BPF_LINK_UPDATE. Without it the agent attaches
-// with BPF_PROG_ATTACH (the pinned SOCKHASH keeps the program) and
+// with BPF_PROG_ATTACH (the pinned SOCKMAP keeps the program) and
 // `meshwarp tap`, which swaps programs inside the link, is off.
 func HaveSockmapLink() error { return attachSockmapLink() }
 

@@ -55,7 +55,7 @@ func TestPrivilegedProbe(t *testing.T) {
 		t.Error("no kernel release")
 	}
 	for _, name := range []string{CheckBPFFS, CheckBPFFSWritable, CheckCgroup2, CheckBTF, CheckAtomicCmpXchg,
-		CheckCgroupLink, CheckSockmapLink, "sock_ops: bpf_timer_init", "sk_msg: bpf_msg_redirect_hash", "map SOCKHASH"} {
+		CheckCgroupLink, CheckSockmapLink, "sock_ops: bpf_timer_init", "sk_msg: bpf_msg_redirect_map", "map SOCKMAP"} {
 		if _, ok := r.Check(name); !ok {
 			t.Errorf("no %q row", name)
 		}

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 
 // Package probe detects whether this kernel and process can run meshwarp's
-// acceleration (sock_ops + sk_msg + SOCKHASH attached to cgroup v2, state
+// acceleration (sock_ops + sk_msg + SOCKMAP attached to cgroup v2, state
 // pinned on bpffs) and says what is missing and how to fix it.
 //
 // Every check that touches the kernel does so for real - it loads a tiny

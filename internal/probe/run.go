@@ -188,7 +188,7 @@ func (p *prober) privileges() {
 		fix      string
 	}{
 		{unix.CAP_BPF, unix.CAP_SYS_ADMIN, true, "load programs, create maps", fixPrivileges},
-		{unix.CAP_NET_ADMIN, -1, true, "SOCKHASH, sock_ops/sk_msg programs, cgroup attach", fixPrivileges},
+		{unix.CAP_NET_ADMIN, -1, true, "SOCKMAP, sock_ops/sk_msg programs, cgroup attach", fixPrivileges},
 		{unix.CAP_PERFMON, unix.CAP_SYS_ADMIN, true, "bpf_skc_to_tcp_sock and other BTF-pointer helpers", fixPrivileges},
 		{unix.CAP_SYS_ADMIN, -1, false, "mount bpffs, list every BPF program/link (cleanup)",
 			"grant CAP_SYS_ADMIN, or mount bpffs yourself (" + fixBPFFS + ")"},
