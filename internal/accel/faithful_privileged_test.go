@@ -288,7 +288,7 @@ func TestPrivilegedFaithfulRepairSocketNotPaired(t *testing.T) {
 		t.Fatal(err)
 	}
 	if slices.Contains(sockhashCookies(t, a), cookie) {
-		t.Fatal("a TCP_REPAIR socket joined the SOCKHASH")
+		t.Fatal("a TCP_REPAIR socket joined the SOCKMAP")
 	}
 	if d := stats(t, a).Sub(before); d.PassthroughConnections["tcp_repair"] != 1 {
 		t.Fatalf("tcp_repair connections = %d, want 1 (%v)", d.PassthroughConnections["tcp_repair"], d.PassthroughConnections)
@@ -594,7 +594,7 @@ func readerKeepsUp(t *testing.T, fixedBuffer bool, stall, bound int64) {
 				t.Fatalf("a stall of %d bytes sent a reader that keeps up to TCP: %v", stall, s.PassthroughConnections)
 			}
 			if !inSockhash(t, a, client) || !inSockhash(t, a, server) {
-				t.Fatal("a socket left the SOCKHASH during the stall")
+				t.Fatal("a socket left the SOCKMAP during the stall")
 			}
 		}
 		if a != nil && fixedBuffer {

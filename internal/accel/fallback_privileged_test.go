@@ -92,7 +92,7 @@ func TestPrivilegedFallbackPolicy(t *testing.T) {
 	}
 }
 
-// Invariant 4: when the SOCKHASH is full, further connections use the
+// Invariant 4: when the SOCKMAP is full, further connections use the
 // normal stack without an error reaching the application.
 func TestPrivilegedFallbackSockhashFull(t *testing.T) {
 	testutil.RequirePrivileged(t)
@@ -178,7 +178,7 @@ func TestPrivilegedFallbackSpliceReceiverExcluded(t *testing.T) {
 // Invariant 4: a connection whose two ends cannot be proven to be a pair
 // (source NAT rewrites the address the server sees) stays on TCP, intact.
 // The listener saw the SYN come from another address than the client's, so
-// no local peer claims the client: it never joins the SOCKHASH, and the
+// no local peer claims the client: it never joins the SOCKMAP, and the
 // accepted side counts the connection as addr_mismatch.
 func TestPrivilegedFallbackUnpairableSNAT(t *testing.T) {
 	testutil.RequirePrivileged(t)

@@ -353,7 +353,7 @@ func learnedProgram(t *testing.T, a *Agent, comm string) (LearnedProgram, bool) 
 }
 
 // keptOff requires that client and server form a connection left to TCP
-// for reason, counted once, with neither socket in the SOCKHASH.
+// for reason, counted once, with neither socket in the SOCKMAP.
 func keptOff(t *testing.T, a *Agent, before Stats, reason string, client, server net.Conn) {
 	t.Helper()
 	requireOutsideSockhash(t, a, client, server)

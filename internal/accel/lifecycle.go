@@ -43,7 +43,7 @@ func (a *Agent) Close() error {
 
 // Uninstall stops accelerating new connections and removes every pin.
 // Open accelerated connections keep working until they close (the kernel
-// keeps their maps and program alive); nothing is deleted from the SOCKHASH.
+// keeps their maps and program alive); nothing is deleted from the SOCKMAP.
 // It returns how many accelerated sockets were still open.
 func (a *Agent) Uninstall() (openSockets uint64, err error) {
 	if a == nil || a.closed {
@@ -98,7 +98,7 @@ type CleanupResult struct {
 	Removed                []string `json:"removed"`
 	OpenAcceleratedSockets uint64   `json:"open_accelerated_sockets"`
 	// ReleasedUnpairedSockets: connecting sockets still waiting for a peer,
-	// taken out of the SOCKHASH once sock_ops was detached (releaseUnpaired).
+	// taken out of the SOCKMAP once sock_ops was detached (releaseUnpaired).
 	ReleasedUnpairedSockets int `json:"released_unpaired_sockets"`
 }
 

@@ -140,7 +140,7 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	}
 	t.Logf("100 streams survived kill/restart/upgrade/uninstall: %d bytes echoed intact", res.BytesEcho)
 	// Once the streams are closed, status no longer counts them: the count
-	// comes from the detached SOCKHASH, which the kernel empties on close.
+	// comes from the detached SOCKMAP, which the kernel empties on close.
 	for deadline := time.Now().Add(10 * time.Second); ; {
 		out, _ := exec.Command(testutil.MeshwarpBinary(t), "status", "--json", "--pin-dir", pinDir).Output()
 		var st struct {

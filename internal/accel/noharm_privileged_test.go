@@ -21,7 +21,7 @@ import (
 )
 
 // Invariants 4 and 6 for sockets meshwarp does not accelerate: they are not
-// left in the SOCKHASH, so FIONREAD (and everything else) is plain TCP's.
+// left in the SOCKMAP, so FIONREAD (and everything else) is plain TCP's.
 // Each case runs with and without the agent; the assertions are the same.
 
 // A connection's exchange: the server speaks first, or answers the client's
@@ -57,7 +57,7 @@ func inq(c net.Conn) (int, error) {
 	return n, ierr
 }
 
-// socketCookie is SO_COOKIE, the value the SOCKHASH holds for a socket.
+// socketCookie is SO_COOKIE, the value the SOCKMAP holds for a socket.
 func socketCookie(t testing.TB, c net.Conn) uint64 {
 	t.Helper()
 	rc, err := c.(syscall.Conn).SyscallConn()
@@ -189,19 +189,19 @@ func sockhashCookies(t testing.TB, a *Agent) []uint64 {
 	return cookies
 }
 
-// requireOutsideSockhash fails when any of conns is in the agent's SOCKHASH.
+// requireOutsideSockhash fails when any of conns is in the agent's SOCKMAP.
 func requireOutsideSockhash(t *testing.T, a *Agent, conns ...net.Conn) {
 	t.Helper()
 	in := sockhashCookies(t, a)
 	for _, c := range conns {
 		if slices.Contains(in, socketCookie(t, c)) {
-			t.Fatalf("socket %v -> %v is in the SOCKHASH but is not accelerated", c.LocalAddr(), c.RemoteAddr())
+			t.Fatalf("socket %v -> %v is in the SOCKMAP but is not accelerated", c.LocalAddr(), c.RemoteAddr())
 		}
 	}
 }
 
 // exchangeUnaccelerated runs every exchange case against ln (in ns, if not
-// nil), requires that neither end is in the agent's SOCKHASH, and returns
+// nil), requires that neither end is in the agent's SOCKMAP, and returns
 // the agent's counters over the run (zero without an agent).
 func exchangeUnaccelerated(t *testing.T, a *Agent, ln net.Listener, ns *testutil.Netns) Stats {
 	t.Helper()
@@ -243,7 +243,7 @@ func forEachAgentConfig(t *testing.T, cfg Config, setup func(t *testing.T) net.L
 }
 
 // A client of the attached cgroup whose server is outside it (the shape of
-// every connection to another host) never joins the SOCKHASH: FIONREAD
+// every connection to another host) never joins the SOCKMAP: FIONREAD
 // counts its bytes, whoever speaks first, and it pays nothing per message.
 func TestPrivilegedNoHarmServerOutsideCgroup(t *testing.T) {
 	testutil.RequirePrivileged(t)
@@ -259,7 +259,7 @@ func TestPrivilegedNoHarmServerOutsideCgroup(t *testing.T) {
 			t.Fatalf("no_local_peer connections = %d, want %d (%v)", got, len(exchangeCases), d.PassthroughConnections)
 		}
 		if got := d.RemovedSockets["no_local_peer"]; got != uint64(len(exchangeCases)) {
-			t.Fatalf("sockets kept off the SOCKHASH as no_local_peer = %d, want %d (%v)", got, len(exchangeCases), d.RemovedSockets)
+			t.Fatalf("sockets kept off the SOCKMAP as no_local_peer = %d, want %d (%v)", got, len(exchangeCases), d.RemovedSockets)
 		}
 		if d.RedirectedMessages+d.PassthroughMessages != 0 {
 			t.Fatalf("the sk_msg program ran on sockets it cannot accelerate: %d redirected, %d passed", d.RedirectedMessages, d.PassthroughMessages)
@@ -268,7 +268,7 @@ func TestPrivilegedNoHarmServerOutsideCgroup(t *testing.T) {
 }
 
 // A paired connection: FIONREAD counts the redirected bytes on both ends,
-// and both sockets are in the SOCKHASH.
+// and both sockets are in the SOCKMAP.
 func TestPrivilegedNoHarmPairedFIONREAD(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	forEachAgentMode(t, func(t *testing.T) net.Listener { return nil }, func(t *testing.T, a *Agent, _ net.Listener) {
@@ -285,7 +285,7 @@ func TestPrivilegedNoHarmPairedFIONREAD(t *testing.T) {
 			}
 			in := sockhashCookies(t, a)
 			if !slices.Contains(in, socketCookie(t, client)) || !slices.Contains(in, socketCookie(t, server)) {
-				t.Fatalf("%v: a paired connection's sockets are not both in the SOCKHASH", tc)
+				t.Fatalf("%v: a paired connection's sockets are not both in the SOCKMAP", tc)
 			}
 			if d := stats(t, a).Sub(before); d.RedirectedBytes < uint64(tc.size) {
 				t.Fatalf("%v: %d bytes redirected, want the whole response", tc, d.RedirectedBytes)
@@ -297,7 +297,7 @@ func TestPrivilegedNoHarmPairedFIONREAD(t *testing.T) {
 // Connections decided passthrough: excluded by policy (they never join), or
 // hinted and then left to TCP because their accepted side came late (the
 // handshake's last ACK is dropped): the late accepted side or the client's
-// own first packet takes the client out of the SOCKHASH before the server
+// own first packet takes the client out of the SOCKMAP before the server
 // can send, so FIONREAD is right on both ends.
 func TestPrivilegedNoHarmPassthroughFIONREAD(t *testing.T) {
 	testutil.RequirePrivileged(t)
@@ -330,7 +330,7 @@ func TestPrivilegedNoHarmPassthroughFIONREAD(t *testing.T) {
 			// accepted side that ACK gives birth to) finds the connection
 			// older than the unpaired timeout. Client first: its first byte
 			// decides no_peer, and its data packet takes it out. Either way
-			// each client leaves the SOCKHASH, for one of these two reasons.
+			// each client leaves the SOCKMAP, for one of these two reasons.
 			late, first := d.RemovedSockets["unpaired_timeout"], d.RemovedSockets["no_peer"]
 			if late < 2 || late+first < uint64(len(exchangeCases)) {
 				t.Fatalf("want the %d clients removed by unpaired_timeout or no_peer, the 2 server-first ones by unpaired_timeout; got %v",
@@ -343,7 +343,7 @@ func TestPrivilegedNoHarmPassthroughFIONREAD(t *testing.T) {
 	})
 }
 
-// A client still waiting in the SOCKHASH for its accepted side (born late:
+// A client still waiting in the SOCKMAP for its accepted side (born late:
 // the handshake's last ACK is dropped) when the agent is uninstalled, or
 // when `meshwarp cleanup` removes what a killed agent left. No sock_ops
 // callback runs after that to take it out at its first packet, so the
@@ -370,7 +370,7 @@ func uninstallWithWaitingClient(t *testing.T, how string) {
 		defer client.Close()
 		if a != nil {
 			if !slices.Contains(sockhashCookies(t, a), socketCookie(t, client)) {
-				t.Fatal("the waiting client is not in the SOCKHASH: the test would not exercise the release")
+				t.Fatal("the waiting client is not in the SOCKMAP: the test would not exercise the release")
 			}
 			if how == "uninstall" {
 				if _, err := a.Uninstall(); err != nil {
@@ -409,7 +409,7 @@ func uninstallWithWaitingClient(t *testing.T, how string) {
 // accepted side takes to be established on a busy machine, connections end
 // up on both sides of the race (paired, or left to TCP because the accepted
 // side came later than the timeout). None may lose, duplicate or reorder a
-// byte, and once all are closed the SOCKHASH is empty and the gauge is 0.
+// byte, and once all are closed the SOCKMAP is empty and the gauge is 0.
 func TestPrivilegedPairingRacesRemoval(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	for _, timeout := range []time.Duration{20 * time.Microsecond, 200 * time.Microsecond} {
@@ -433,7 +433,7 @@ func TestPrivilegedPairingRacesRemoval(t *testing.T) {
 					break
 				}
 				if time.Now().After(deadline) {
-					t.Fatalf("after every connection closed: %d sockets in the SOCKHASH, gauge %d", len(left), s.AcceleratedSockets)
+					t.Fatalf("after every connection closed: %d sockets in the SOCKMAP, gauge %d", len(left), s.AcceleratedSockets)
 				}
 				time.Sleep(10 * time.Millisecond)
 			}

@@ -19,7 +19,7 @@ import (
 const ReadObserverProgram = accelProgMwObsRecv
 
 // SockOpsProgram is the sock_ops program: it runs per connection event
-// (connect, established, state changes, packets of sockets in the SOCKHASH).
+// (connect, established, state changes, packets of sockets in the SOCKMAP).
 const SockOpsProgram = accelProgMwSockops
 
 // attachObservation attaches the client read tracepoint when

@@ -212,7 +212,7 @@ func combineMap(a, b map[string]uint64, op func(a, b uint64) uint64) map[string]
 	return out
 }
 
-// DetachedSockets counts the sockets still in the SOCKHASH of data paths
+// DetachedSockets counts the sockets still in the SOCKMAP of data paths
 // that are no longer pinned (after an uninstall or cleanup) but alive
 // because those sockets hold them: their connections keep moving
 // socket-to-socket until they close, and the kernel takes each socket out

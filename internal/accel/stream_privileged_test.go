@@ -22,7 +22,7 @@ import (
 )
 
 // A small-message stream turns its connection to TCP mid-connection
-// (small_stream), and both sockets then leave the SOCKHASH. These tests
+// (small_stream), and both sockets then leave the SOCKMAP. These tests
 // drive connections through that switch and require TCP's guarantees on
 // every byte; each runs without and with the agent, with the same
 // assertions.
@@ -242,7 +242,7 @@ func TestPrivilegedSmallStreamSwitchKeepsEveryByte(t *testing.T) {
 // A connection moves to TCP only where no reader can see two queues: while
 // the receiver has redirected bytes unread, a small stream stays redirected
 // (FIONREAD counts all of it); once it has read them, the next small writes
-// switch, and both sockets leave the SOCKHASH at their first TCP packet,
+// switch, and both sockets leave the SOCKMAP at their first TCP packet,
 // before its bytes are queued: plain TCP sockets again, native FIONREAD.
 func TestPrivilegedSmallStreamSocketsLeave(t *testing.T) {
 	testutil.RequirePrivileged(t)
@@ -264,7 +264,7 @@ func TestPrivilegedSmallStreamSocketsLeave(t *testing.T) {
 		}
 		// Everything read: the small stream switches now, and both leave.
 		if a != nil {
-			waitFor(t, "both sockets to leave the SOCKHASH", func() bool {
+			waitFor(t, "both sockets to leave the SOCKMAP", func() bool {
 				if err := up.send(SmallStreamRun, smallSize); err != nil {
 					t.Fatal(err)
 				}
@@ -384,7 +384,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 // A writer far ahead of its reader moves to TCP with redirected bytes still
 // unread (backpressure), and then stops. A reader that reads only what
 // FIONREAD reports (Java's available()) still gets every byte: once it has
-// read the redirected ones, its socket leaves the SOCKHASH (the node's
+// read the redirected ones, its socket leaves the SOCKMAP (the node's
 // leave poll re-runs the leave check when no packet comes), and FIONREAD
 // counts the TCP queue again. Each socket is counted once, as left, however
 // it left (at a packet or by the poll): not again at its next packet nor at
@@ -435,7 +435,7 @@ func TestPrivilegedBackpressureFIONREADReader(t *testing.T) {
 			}
 		}
 		if a != nil {
-			waitFor(t, "both sockets to leave the SOCKHASH", func() bool {
+			waitFor(t, "both sockets to leave the SOCKMAP", func() bool {
 				return !inSockhash(t, a, client) && !inSockhash(t, a, server)
 			})
 			requireSocketCounts(t, a, before, 2, 2)
@@ -453,7 +453,7 @@ func TestPrivilegedBackpressureFIONREADReader(t *testing.T) {
 
 // A writer goes to TCP (backpressure) with a last one-byte write, and
 // stops; its reader then reads everything. Neither socket gets a packet
-// after that: the leave poll takes both out of the SOCKHASH. They are
+// after that: the leave poll takes both out of the SOCKMAP. They are
 // counted as left there, once: not again at their next packet nor at their
 // close, by FIN or by a reset (the witness, a connection still paired,
 // stays counted as accelerated).
@@ -485,7 +485,7 @@ func leavePollCountsOnce(t *testing.T, reset bool) {
 			t.Fatal(err)
 		}
 		if a != nil {
-			waitFor(t, "both sockets to leave the SOCKHASH", func() bool {
+			waitFor(t, "both sockets to leave the SOCKMAP", func() bool {
 				return !inSockhash(t, a, client) && !inSockhash(t, a, server)
 			})
 			requireSocketCounts(t, a, before, 2, 2)
@@ -573,7 +573,7 @@ func hexPort(addr string) int {
 // that its reader lets pile up first. The response's direction goes to TCP
 // (backpressure), and with it the whole connection: the requester, which
 // redirected its request and sends nothing more, is switched at its TCP
-// packets, so both sockets leave the SOCKHASH while the response streams
+// packets, so both sockets leave the SOCKMAP while the response streams
 // and the rest of it is plain TCP. Every byte arrives in order, and FIONREAD
 // counts the TCP queue again both ways.
 func TestPrivilegedDownloadSocketsLeave(t *testing.T) {
@@ -612,9 +612,9 @@ func TestPrivilegedDownloadSocketsLeave(t *testing.T) {
 			t.Fatal(err)
 		}
 		if a != nil {
-			t.Logf("both sockets out of the SOCKHASH after %d MiB of %d", leftAt>>20, chunk*chunks>>20)
+			t.Logf("both sockets out of the SOCKMAP after %d MiB of %d", leftAt>>20, chunk*chunks>>20)
 			if leftAt < 0 || leftAt > chunk*chunks*3/4 {
-				t.Fatalf("the sockets did not leave the SOCKHASH during the response (out after %d of %d bytes; -1: never)", leftAt, chunk*chunks)
+				t.Fatalf("the sockets did not leave the SOCKMAP during the response (out after %d of %d bytes; -1: never)", leftAt, chunk*chunks)
 			}
 			d := stats(t, a).Sub(before)
 			if d.LeftSockets != 2 || d.AcceleratedSockets != 0 {
@@ -667,9 +667,9 @@ func TestPrivilegedDownloadWhileUploadingKeepsEveryByte(t *testing.T) {
 }
 
 // A connection that goes to TCP and is closed at once, before its sockets
-// left the SOCKHASH (at a packet or by the leave poll), still counts each
+// left the SOCKMAP (at a packet or by the leave poll), still counts each
 // of its sockets gone exactly once: closed, or left. The socket closed
-// first is unlinked from the SOCKHASH by close() itself, before the FIN
+// first is unlinked from the SOCKMAP by close() itself, before the FIN
 // that asks it to leave. Either side closes first (the server with bytes
 // unread: a reset); the client's bytes arrive in order before its EOF. A
 // connection kept open meanwhile makes a double count visible: the gauge
@@ -749,9 +749,9 @@ func TestPrivilegedSwitchThenCloseCountsEverySocket(t *testing.T) {
 				t.Fatalf("%d of %d connections went to TCP as small streams: the switch was not exercised", d.PassthroughConnections["small_stream"], conns)
 			}
 			if inAtClose == 0 {
-				t.Fatal("every socket left the SOCKHASH before its close: the close of one still in it was not exercised")
+				t.Fatal("every socket left the SOCKMAP before its close: the close of one still in it was not exercised")
 			}
-			t.Logf("%d of %d closed first while still in the SOCKHASH", inAtClose, conns)
+			t.Logf("%d of %d closed first while still in the SOCKMAP", inAtClose, conns)
 			waitAcceleratedSockets(t, a, uint64(open))
 		}
 	})

@@ -21,7 +21,7 @@ that a killed agent, or one stopped with --keep-on-exit, left. While an agent
 runs there it refuses (exit 1, naming the agent's pid): the agent's own links
 keep its programs attached, so stop the agent instead (SIGTERM uninstalls).
 It never removes a socket from
-the SOCKHASH (that could drop bytes queued for it): connections accelerated
+the SOCKMAP (that could drop bytes queued for it): connections accelerated
 before cleanup keep working until they close, then the kernel frees the rest.
 New connections use the normal TCP stack at once. Only meshwarp's own pins are
 removed; running it twice is harmless.`,

@@ -57,7 +57,7 @@ func newRunCommand(g *Global) *cobra.Command {
 		Use:   "run",
 		Short: "Attach the accelerator and serve /metrics until stopped (root)",
 		Long: `run attaches sock_ops to a cgroup v2 directory (default: the cgroup v2 root,
-i.e. every process of the node) and sk_msg to the SOCKHASH, pins both under
+i.e. every process of the node) and sk_msg to the SOCKMAP, pins both under
 --pin-dir, and serves Prometheus metrics and /healthz.
 
 Every TCP connection between two sockets of this host inside the cgroup

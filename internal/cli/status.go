@@ -33,7 +33,7 @@ attached). Counters are cumulative across agent restarts.
   redirected_*            bytes/messages moved socket-to-socket
   passthrough_*           traffic and connections that used the normal stack, by reason:
 ` + accel.ReasonsHelp(4, 88) + `
-  removed_sockets_by_reason  sockets kept off the SOCKHASH (the connecting socket of a
+  removed_sockets_by_reason  sockets kept off the SOCKMAP (the connecting socket of a
                           no_local_peer, policy or splice_reader connection) or taken out
                           of it once their connection was left to TCP: from then on they
                           are plain TCP sockets (no per-message cost, native FIONREAD and splice).
@@ -42,7 +42,7 @@ attached). Counters are cumulative across agent restarts.
                           bytes are read
   paired_sockets_total    sockets that joined a paired connection
   left_sockets_total      those paired sockets that left (not counted as accelerated any more)
-  sockhash_full           sockets not accelerated because the SOCKHASH was at capacity
+  sockhash_full           sockets not accelerated because the SOCKMAP was at capacity
   nat_port_remapped_connections  connections paired although NAT (conntrack under REDIRECT
                           or DNAT) rewrote their source port between the two ends
   observe_flows_full      observations lost because the flow table was full
