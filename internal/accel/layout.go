@@ -54,7 +54,7 @@ func checkPinnedLayout(spec *ebpf.CollectionSpec, pinDir string) error {
 			errs = append(errs, fmt.Errorf("%s: %w", name, err))
 		}
 	}
-	// The kernel keeps no BTF for some map types (SOCKHASH). Their types are
+	// The kernel keeps no BTF for some map types (SOCKMAP). Their types are
 	// checked against the BTF of the maps pinned with them (mw_sk_state holds
 	// an mw_sock_key): one agent's maps come from one object, or were
 	// adopted after this same check.

@@ -36,18 +36,18 @@ Checked:
                  (creates and removes /sys/fs/bpf/meshwarp-probe-<pid>)
   BTF            /sys/kernel/btf/vmlinux
   program types  sock_ops, sk_msg; tracepoint (optional, observability)
-  map types      SOCKHASH, HASH, PERCPU_ARRAY, ARRAY, LPM_TRIE, RINGBUF
-  helpers        sock_ops: bpf_sock_hash_update, bpf_get_netns_cookie, bpf_get_socket_cookie,
+  map types      SOCKMAP, HASH, PERCPU_ARRAY, ARRAY, LPM_TRIE, RINGBUF
+  helpers        sock_ops: bpf_sock_map_update, bpf_get_netns_cookie, bpf_get_socket_cookie,
                  bpf_sock_ops_cb_flags_set, bpf_skc_to_tcp_sock;
-                 sk_msg: bpf_msg_redirect_hash, bpf_get_netns_cookie
+                 sk_msg: bpf_msg_redirect_map, bpf_get_netns_cookie
   atomics        loads a program doing an atomic cmpxchg on a map value (Linux 5.12)
   links          sock_ops bpf_link on a throwaway child cgroup; sk_msg bpf_link on a
-                 SOCKHASH (Linux 6.10, optional)
+                 SOCKMAP (Linux 6.10, optional)
 
 Then the features that differ between kernels (supported: Linux >= 6.1), each on
 (and how) or off (and why):
   sk_msg attach     a pinned sockmap link (>= 6.10), else BPF_PROG_ATTACH to the pinned
-                    SOCKHASH (6.1 .. 6.9)
+                    SOCKMAP (6.1 .. 6.9)
   meshwarp tap      off before 6.10 (it swaps its program inside the sockmap link)
   cross-node        off without tcx links (< 6.6): --cross-node is ignored with a warning
   client read time  off without tracepoint sock:sock_recv_length (< 6.3): trace and

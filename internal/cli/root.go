@@ -106,7 +106,7 @@ func AgentCommands(g *Global) []*cobra.Command {
 func NewAgentCommand() *cobra.Command {
 	root, g := NewRoot("meshwarp-agent", "meshwarp's node agent: accelerates same-node TCP with eBPF",
 		`meshwarp-agent is what meshwarp's DaemonSet runs: it short-circuits TCP between
-sockets on the same node with sock_ops + sk_msg + SOCKHASH and serves what it
+sockets on the same node with sock_ops + sk_msg + SOCKMAP and serves what it
 does as Prometheus metrics. The meshwarp binary has the same commands and, for
 people, lab, bench, top, trace and tap.
 

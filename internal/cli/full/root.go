@@ -16,7 +16,7 @@ import (
 func NewRootCommand() *cobra.Command {
 	root, g := cli.NewRoot("meshwarp", "eBPF data-plane accelerator for service meshes",
 		`meshwarp short-circuits TCP between sockets on the same node (app <-> sidecar,
-sidecar <-> sidecar, pod <-> pod) with sock_ops + sk_msg + SOCKHASH, shows what it
+sidecar <-> sidecar, pod <-> pod) with sock_ops + sk_msg + SOCKMAP, shows what it
 does, and proves it with a lab of network namespaces and real sidecar proxies.
 The DaemonSet runs meshwarp-agent, which has probe, run, status and cleanup only.
 
