@@ -201,7 +201,7 @@ func TestPrivilegedFaithfulRcvlowat(t *testing.T) {
 		}
 		defer server.Close()
 		if a != nil {
-			if slices.Contains(sockhashCookies(t, a), socketCookie(t, client)) {
+			if inSockMap(t, a, client) {
 				t.Fatal("a socket with SO_RCVLOWAT was paired")
 			}
 			if s := stats(t, a); s.PassthroughConnections["rcvlowat"] != 1 {
@@ -593,7 +593,7 @@ func readerKeepsUp(t *testing.T, fixedBuffer bool, stall, bound int64) {
 			if s := stats(t, a); s.PassthroughConnections["backpressure"] != 0 {
 				t.Fatalf("a stall of %d bytes sent a reader that keeps up to TCP: %v", stall, s.PassthroughConnections)
 			}
-			if !inSockhash(t, a, client) || !inSockhash(t, a, server) {
+			if !inSockMap(t, a, client) || !inSockMap(t, a, server) {
 				t.Fatal("a socket left the SOCKMAP during the stall")
 			}
 		}

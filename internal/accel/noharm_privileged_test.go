@@ -369,7 +369,7 @@ func uninstallWithWaitingClient(t *testing.T, how string) {
 		}
 		defer client.Close()
 		if a != nil {
-			if !slices.Contains(sockhashCookies(t, a), socketCookie(t, client)) {
+			if !inSockMap(t, a, client) {
 				t.Fatal("the waiting client is not in the SOCKMAP: the test would not exercise the release")
 			}
 			if how == "uninstall" {

@@ -289,6 +289,37 @@ func (a *Agent) SockhashCookies() ([]uint64, error) {
 	return cookies, errors.Join(append(errs, err)...)
 }
 
+// InSockMap reports whether the socket open as fd (in this process) is in
+// mw_sock_map right now, from its own record: one lookup each, where
+// SockhashCookies reads every mw_conns slot (tens of ms at the default
+// capacity, longer than the leave poll takes to move a socket out).
+func (a *Agent) InSockMap(fd int) (bool, error) {
+	var rec accelMwSock
+	key := int32(fd)
+	switch err := a.objs.MwSkStore.Lookup(&key, &rec); {
+	case errors.Is(err, ebpf.ErrKeyNotExist):
+		return false, nil // never seen by sock_ops
+	case err != nil:
+		return false, fmt.Errorf("read mw_sk_store: %w", err)
+	}
+	if rec.Pair.Role == 0 {
+		return false, nil // never paired
+	}
+	cookie, err := unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_COOKIE)
+	if err != nil {
+		return false, fmt.Errorf("SO_COOKIE: %w", err)
+	}
+	index := sockIndex(rec.Pair.ConnSlot, accelMwRole(rec.Pair.Role))
+	var in uint64
+	switch err := a.objs.MwSockMap.Lookup(&index, &in); {
+	case errors.Is(err, ebpf.ErrKeyNotExist):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("read mw_sock_map: %w", err)
+	}
+	return in == cookie, nil
+}
+
 // Stats reads the counters.
 func (a *Agent) Stats() (Stats, error) {
 	s, err := readStats(a.objs.MwStats)

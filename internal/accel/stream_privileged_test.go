@@ -9,10 +9,10 @@ import (
 	"net"
 	"os"
 	"runtime"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -256,7 +256,7 @@ func TestPrivilegedSmallStreamSocketsLeave(t *testing.T) {
 		if err := awaitInq(up.r, int(up.written)); err != nil {
 			t.Fatal(err)
 		}
-		if a != nil && (!inSockhash(t, a, client) || !inSockhash(t, a, server)) {
+		if a != nil && (!inSockMap(t, a, client) || !inSockMap(t, a, server)) {
 			t.Fatal("the connection left the redirect while its receiver held unread redirected bytes")
 		}
 		if err := up.recv(up.written, false, false); err != nil {
@@ -271,7 +271,7 @@ func TestPrivilegedSmallStreamSocketsLeave(t *testing.T) {
 				if err := up.recv(up.written, false, false); err != nil {
 					t.Fatal(err)
 				}
-				return !inSockhash(t, a, client) && !inSockhash(t, a, server)
+				return !inSockMap(t, a, client) && !inSockMap(t, a, server)
 			})
 		}
 		requireFIONREADCounts(t, up, &streamDir{w: server, r: client})
@@ -331,7 +331,7 @@ func TestPrivilegedSmallStreamOnlySmallStreamsSwitch(t *testing.T) {
 			if onTCP != tc.wantOnTCP {
 				t.Fatalf("connection on TCP as a small stream: %v, want %v (passthrough %v)", onTCP, tc.wantOnTCP, s.PassthroughConnections)
 			}
-			if !tc.wantOnTCP && (s.PassthroughMessages != 0 || !inSockhash(t, a, client) || !inSockhash(t, a, server)) {
+			if !tc.wantOnTCP && (s.PassthroughMessages != 0 || !inSockMap(t, a, client) || !inSockMap(t, a, server)) {
 				t.Fatalf("the connection left the redirect: %d messages through TCP %v", s.PassthroughMessages, s.PassthroughByReason)
 			}
 		})
@@ -364,9 +364,23 @@ func logSwitches(t *testing.T, d Stats) {
 		d.RedirectedMessages, d.PassthroughByReason)
 }
 
-func inSockhash(t *testing.T, a *Agent, c net.Conn) bool {
+// inSockMap reports whether c is in mw_sock_map now (one lookup: the leave
+// poll may move it out while a full listing reads).
+func inSockMap(t *testing.T, a *Agent, c net.Conn) bool {
 	t.Helper()
-	return slices.Contains(sockhashCookies(t, a), socketCookie(t, c))
+	rc, err := c.(syscall.Conn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var in bool
+	var ierr error
+	if err := rc.Control(func(fd uintptr) { in, ierr = a.InSockMap(int(fd)) }); err != nil {
+		t.Fatal(err)
+	}
+	if ierr != nil {
+		t.Fatal(ierr)
+	}
+	return in
 }
 
 // waitFor polls cond (each call may drive traffic) for up to 5 s.
@@ -436,7 +450,7 @@ func TestPrivilegedBackpressureFIONREADReader(t *testing.T) {
 		}
 		if a != nil {
 			waitFor(t, "both sockets to leave the SOCKMAP", func() bool {
-				return !inSockhash(t, a, client) && !inSockhash(t, a, server)
+				return !inSockMap(t, a, client) && !inSockMap(t, a, server)
 			})
 			requireSocketCounts(t, a, before, 2, 2)
 		}
@@ -486,7 +500,7 @@ func leavePollCountsOnce(t *testing.T, reset bool) {
 		}
 		if a != nil {
 			waitFor(t, "both sockets to leave the SOCKMAP", func() bool {
-				return !inSockhash(t, a, client) && !inSockhash(t, a, server)
+				return !inSockMap(t, a, client) && !inSockMap(t, a, server)
 			})
 			requireSocketCounts(t, a, before, 2, 2)
 		}
@@ -604,7 +618,7 @@ func TestPrivilegedDownloadSocketsLeave(t *testing.T) {
 			if err := down.recv(min(down.read+step, chunk*chunks), false, false); err != nil {
 				t.Fatal(err)
 			}
-			if a != nil && leftAt < 0 && !inSockhash(t, a, client) && !inSockhash(t, a, server) {
+			if a != nil && leftAt < 0 && !inSockMap(t, a, client) && !inSockMap(t, a, server) {
 				leftAt = down.read
 			}
 		}
@@ -727,7 +741,7 @@ func TestPrivilegedSwitchThenCloseCountsEverySocket(t *testing.T) {
 			if i%2 == 1 {
 				first, second = server, client
 			}
-			if a != nil && inSockhash(t, a, first) {
+			if a != nil && inSockMap(t, a, first) {
 				inAtClose++
 			}
 			if err := first.Close(); err != nil {
