@@ -202,17 +202,27 @@ struct mw_flow_key {
 };
 
 /*
- * mw_pair_flows key: HTTP exchanges of a paired connection, one record for
- * the points of both its sockets (Go reads it as one flow at each point,
- * like an mw_flows record with accelerated set). Value: struct mw_flow.
+ * mw_pair_points key: the two points (each side's netns, server and point)
+ * of paired connections' HTTP exchanges, interned once per connection
+ * (obs.points) so that an exchange hashes a short key. Value: its id
+ * (never 0, never reused: ids come from mw_pair_ids, pinned with it).
  */
-struct mw_pair_flow_key {
+struct mw_pair_points_key {
 	__u64 active_netns;
 	__u64 passive_netns;
 	struct mw_endpoint active_server;
 	struct mw_endpoint passive_server;
 	enum mw_point active_point;
 	enum mw_point passive_point;
+};
+
+/*
+ * mw_pair_flows key: HTTP exchanges of a paired connection, one record for
+ * the points of both its sockets (Go reads it as one flow at each point,
+ * like an mw_flows record with accelerated set). Value: struct mw_flow.
+ */
+struct mw_pair_flow_key {
+	__u32 points; /* the id mw_pair_points gives the two points */
 	__u32 status;
 	enum mw_method method;
 };
@@ -268,6 +278,8 @@ struct mw_obs_conn {
 	__u64 req_ns;
 	__u32 req_role;   /* enum mw_role of the requesting side */
 	__u32 req_method;
+	__u32 points;     /* the two points' mw_pair_points id; 0: not interned yet */
+	__u32 _pad;
 	/*
 	 * Each side's point, by role - 1 (obs_joins: the active side's when it
 	 * creates the entry, the passive side's before PAIRED). An exchange is

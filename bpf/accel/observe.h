@@ -78,6 +78,25 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } mw_pair_flows SEC(".maps");
 
+/* The points of mw_pair_flows' records, by content (struct mw_pair_points_key) -> id. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 8192);
+	__type(key, struct mw_pair_points_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_pair_points SEC(".maps");
+
+/* The last id mw_pair_points gave: pinned with it, so that a restarted agent does not give one twice. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_pair_ids SEC(".maps");
+
 #define MW_EEXIST 17
 
 /*
@@ -441,6 +460,48 @@ static __always_inline void obs_joins(struct mw_sk_state *st, struct mw_obs_side
 }
 
 /*
+ * The id of connection c's two points (mw_pair_points), interned at its
+ * first exchange; 0 when mw_pair_points is full (counted in flows_full).
+ * Two sides interning the same new points at once draw two ids; the one
+ * that loses the insert reads the winner's.
+ */
+static __always_inline __u32 pair_points(struct mw_conn *c)
+{
+	struct mw_pair_points_key p = {};
+	struct mw_counters *cnt;
+	__u32 zero = 0, *id, *last, fresh;
+	long err;
+
+	if (c->obs.points)
+		return c->obs.points;
+	p.active_netns = c->obs.side[0].netns;
+	p.active_server = c->obs.side[0].server;
+	p.active_point = c->obs.side[0].point;
+	p.passive_netns = c->obs.side[1].netns;
+	p.passive_server = c->obs.side[1].server;
+	p.passive_point = c->obs.side[1].point;
+	id = bpf_map_lookup_elem(&mw_pair_points, &p);
+	if (!id) {
+		last = bpf_map_lookup_elem(&mw_pair_ids, &zero);
+		if (!last)
+			return 0;
+		fresh = __sync_add_and_fetch(last, 1);
+		err = bpf_map_update_elem(&mw_pair_points, &p, &fresh, BPF_NOEXIST);
+		if (err && err != -MW_EEXIST) {
+			cnt = counters();
+			if (cnt)
+				cnt->flows_full++;
+			return 0;
+		}
+		id = err ? bpf_map_lookup_elem(&mw_pair_points, &p) : &fresh;
+		if (!id)
+			return 0;
+	}
+	c->obs.points = *id;
+	return c->obs.points;
+}
+
+/*
  * sk_msg: a message of a paired connection was redirected. The exchange in
  * flight lives in the connection (mw_conn.obs): its response is sent by the
  * other socket. Both points of the connection record it, with one duration
@@ -499,15 +560,11 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 		c->obs.req_ns = 0;
 		/* Both sides observed, as both sent: the requester set req_ns, and o is started. */
 		if (c->obs.side[0].observed && c->obs.side[1].observed) {
-			k.active_netns = c->obs.side[0].netns;
-			k.active_server = c->obs.side[0].server;
-			k.active_point = c->obs.side[0].point;
-			k.passive_netns = c->obs.side[1].netns;
-			k.passive_server = c->obs.side[1].server;
-			k.passive_point = c->obs.side[1].point;
+			k.points = pair_points(c);
 			k.status = status;
 			k.method = c->obs.req_method;
-			obs_add_to(&mw_pair_flows, &k, d, 0, true);
+			if (k.points)
+				obs_add_to(&mw_pair_flows, &k, d, 0, true);
 		}
 	}
 	/* Each socket counts what it sent, and adds what its peer sent when it flushes. */

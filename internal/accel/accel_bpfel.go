@@ -36,6 +36,8 @@ type accelMwConn struct {
 		ReqNs     uint64
 		ReqRole   uint32
 		ReqMethod uint32
+		Points    uint32
+		Pad       uint32
 		Side      [2]struct {
 			_        structs.HostLayout
 			Netns    uint64
@@ -169,6 +171,13 @@ const (
 )
 
 type accelMwPairFlowKey struct {
+	_      structs.HostLayout
+	Points uint32
+	Status uint32
+	Method accelMwMethod
+}
+
+type accelMwPairPointsKey struct {
 	_             structs.HostLayout
 	ActiveNetns   uint64
 	PassiveNetns  uint64
@@ -176,8 +185,6 @@ type accelMwPairFlowKey struct {
 	PassiveServer accelMwEndpoint
 	ActivePoint   accelMwPoint
 	PassivePoint  accelMwPoint
-	Status        uint32
-	Method        accelMwMethod
 }
 
 type accelMwPoint uint32
@@ -383,6 +390,8 @@ const (
 	accelMapMwLeaveClock           = "mw_leave_clock"
 	accelMapMwLeavePolls           = "mw_leave_polls"
 	accelMapMwPairFlows            = "mw_pair_flows"
+	accelMapMwPairIds              = "mw_pair_ids"
+	accelMapMwPairPoints           = "mw_pair_points"
 	accelMapMwPolicy               = "mw_policy"
 	accelMapMwPortPolicy           = "mw_port_policy"
 	accelMapMwSkStore              = "mw_sk_store"
@@ -518,6 +527,8 @@ type accelMapSpecs struct {
 	MwLeaveClock  *ebpf.MapSpec `ebpf:"mw_leave_clock"`
 	MwLeavePolls  *ebpf.MapSpec `ebpf:"mw_leave_polls"`
 	MwPairFlows   *ebpf.MapSpec `ebpf:"mw_pair_flows"`
+	MwPairIds     *ebpf.MapSpec `ebpf:"mw_pair_ids"`
+	MwPairPoints  *ebpf.MapSpec `ebpf:"mw_pair_points"`
 	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
@@ -587,6 +598,8 @@ type accelMaps struct {
 	MwLeaveClock  *ebpf.Map `ebpf:"mw_leave_clock"`
 	MwLeavePolls  *ebpf.Map `ebpf:"mw_leave_polls"`
 	MwPairFlows   *ebpf.Map `ebpf:"mw_pair_flows"`
+	MwPairIds     *ebpf.Map `ebpf:"mw_pair_ids"`
+	MwPairPoints  *ebpf.Map `ebpf:"mw_pair_points"`
 	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
 	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
 	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
@@ -614,6 +627,8 @@ func (m *accelMaps) Close() error {
 		m.MwLeaveClock,
 		m.MwLeavePolls,
 		m.MwPairFlows,
+		m.MwPairIds,
+		m.MwPairPoints,
 		m.MwPolicy,
 		m.MwPortPolicy,
 		m.MwSkStore,

@@ -100,22 +100,28 @@ func ReadPinnedFlows(pinDir string) ([]Flow, error) {
 	if obs, err := Observing(pinDir); err != nil || !obs {
 		return nil, fmt.Errorf("the meshwarp agent at %s does not observe: restart it without --observe=false", pinDir)
 	}
-	pairs, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, accelMapMwPairFlows), &ebpf.LoadPinOptions{ReadOnly: true})
-	if err != nil {
-		return nil, fmt.Errorf("the meshwarp agent at %s has no %s: it comes from another meshwarp build (%w)", pinDir, accelMapMwPairFlows, errors.Unwrap(err))
+	var pair [2]*ebpf.Map
+	for i, name := range []string{accelMapMwPairFlows, accelMapMwPairPoints} {
+		pair[i], err = ebpf.LoadPinnedMap(filepath.Join(pinDir, name), &ebpf.LoadPinOptions{ReadOnly: true})
+		if err != nil {
+			return nil, fmt.Errorf("the meshwarp agent at %s has no %s: it comes from another meshwarp build (%w)", pinDir, name, errors.Unwrap(err))
+		}
+		defer pair[i].Close()
 	}
-	defer pairs.Close()
-	return readFlows(m, pairs)
+	return readFlows(m, pair[0], pair[1])
 }
 
 // Flows reads the agent's observation.
-func (a *Agent) Flows() ([]Flow, error) { return readFlows(a.objs.MwFlows, a.objs.MwPairFlows) }
+func (a *Agent) Flows() ([]Flow, error) {
+	return readFlows(a.objs.MwFlows, a.objs.MwPairFlows, a.objs.MwPairPoints)
+}
 
 // readFlows sums each record's per-CPU copies. A record of pairs (one
-// exchange of a paired connection, seen at the points of both its sockets)
-// is a flow at each of the two points, added to any mw_flows record of the
-// same flow (a connection's exchanges after it went to TCP).
-func readFlows(flows, pairs *ebpf.Map) ([]Flow, error) {
+// exchange of a paired connection, seen at the points of both its sockets,
+// whose id points gives) is a flow at each of the two points, added to any
+// mw_flows record of the same flow (a connection's exchanges after it went
+// to TCP).
+func readFlows(flows, pairs, points *ebpf.Map) ([]Flow, error) {
 	sums := map[accelMwFlowKey]*accelMwFlow{}
 	add := func(k accelMwFlowKey, perCPU []accelMwFlow) {
 		v := sums[k]
@@ -144,14 +150,37 @@ func readFlows(flows, pairs *ebpf.Map) ([]Flow, error) {
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("read %s: %w", accelMapMwFlows, err)
 	}
+	// The records first: each one's points were interned before it was made,
+	// so the points read after them name every one.
+	pairRecords := map[accelMwPairFlowKey][]accelMwFlow{}
 	it = pairs.Iterate()
 	for it.Next(&pk, &perCPU) {
-		for _, side := range pairSides(pk) {
-			add(side, perCPU)
-		}
+		pairRecords[pk] = perCPU
+		perCPU = nil
 	}
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("read %s: %w", accelMapMwPairFlows, err)
+	}
+	byID := map[uint32]accelMwPairPointsKey{}
+	var (
+		pp accelMwPairPointsKey
+		id uint32
+	)
+	it = points.Iterate()
+	for it.Next(&pp, &id) {
+		byID[id] = pp
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("read %s: %w", accelMapMwPairPoints, err)
+	}
+	for pk, perCPU := range pairRecords {
+		pp, ok := byID[pk.Points]
+		if !ok {
+			return nil, fmt.Errorf("read %s: record of points %d, which %s does not name", accelMapMwPairFlows, pk.Points, accelMapMwPairPoints)
+		}
+		for _, side := range pairSides(pp, pk) {
+			add(side, perCPU)
+		}
 	}
 	out := make([]Flow, 0, len(sums))
 	for k, v := range sums {
@@ -160,15 +189,15 @@ func readFlows(flows, pairs *ebpf.Map) ([]Flow, error) {
 	return out, nil
 }
 
-// pairSides is the flow key of each point of an mw_pair_flows record.
-func pairSides(pk accelMwPairFlowKey) [2]accelMwFlowKey {
+// pairSides is the flow key of each point of an mw_pair_flows record (pk, of points pp).
+func pairSides(pp accelMwPairPointsKey, pk accelMwPairFlowKey) [2]accelMwFlowKey {
 	side := func(netns uint64, server accelMwEndpoint, point accelMwPoint) accelMwFlowKey {
 		return accelMwFlowKey{Netns: netns, Server: server, Point: point, Proto: accelMwProtoMW_PROTO_HTTP,
 			Status: pk.Status, Method: pk.Method, Accelerated: 1}
 	}
 	return [2]accelMwFlowKey{
-		side(pk.ActiveNetns, pk.ActiveServer, pk.ActivePoint),
-		side(pk.PassiveNetns, pk.PassiveServer, pk.PassivePoint),
+		side(pp.ActiveNetns, pp.ActiveServer, pp.ActivePoint),
+		side(pp.PassiveNetns, pp.PassiveServer, pp.PassivePoint),
 	}
 }
 

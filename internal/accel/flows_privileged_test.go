@@ -35,8 +35,14 @@ func TestPrivilegedPairFlowsReadAtBothPoints(t *testing.T) {
 		v[cpus-1].Buckets[bucket]++
 		return v
 	}
-	pk := accelMwPairFlowKey{ActiveNetns: activeNetns, PassiveNetns: passiveNetns, ActiveServer: active, PassiveServer: passive,
-		ActivePoint: accelMwPointMW_POINT_OUTBOUND_OUT, PassivePoint: accelMwPointMW_POINT_INBOUND_IN, Status: 200, Method: accelMwMethodMW_METHOD_GET}
+	// An id no connection of the test's draws (the agent counts up from 1).
+	const pointsID = 0xfeed0003
+	pp := accelMwPairPointsKey{ActiveNetns: activeNetns, PassiveNetns: passiveNetns, ActiveServer: active, PassiveServer: passive,
+		ActivePoint: accelMwPointMW_POINT_OUTBOUND_OUT, PassivePoint: accelMwPointMW_POINT_INBOUND_IN}
+	if err := a.objs.MwPairPoints.Put(pp, uint32(pointsID)); err != nil {
+		t.Fatal(err)
+	}
+	pk := accelMwPairFlowKey{Points: pointsID, Status: 200, Method: accelMwMethodMW_METHOD_GET}
 	if err := a.objs.MwPairFlows.Put(pk, perCPU(4, 4000, 1)); err != nil {
 		t.Fatal(err)
 	}
