@@ -64,8 +64,25 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 SEC("sockops")
 int mw_sockops(struct bpf_sock_ops *skops)
 {
-	/* Read every ctx field up front (see sockops_tuple). */
 	__u32 op = skops->op;
+
+	/*
+	 * The kernel also asks every program of the cgroup about each
+	 * connection's timeouts, window, ECN, base RTT ... (ops no flag turns
+	 * off): leave before the reads below.
+	 */
+	switch (op) {
+	case BPF_SOCK_OPS_TCP_CONNECT_CB:
+	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:
+	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
+	case BPF_SOCK_OPS_HDR_OPT_LEN_CB:
+	case BPF_SOCK_OPS_PARSE_HDR_OPT_CB:
+	case BPF_SOCK_OPS_STATE_CB:
+		break;
+	default:
+		return 1;
+	}
+	/* Read every ctx field up front (see sockops_tuple). */
 	__u32 old_state = skops->args[0];
 	__u32 new_state = skops->args[1];
 	__u32 snd_nxt = skops->snd_nxt;

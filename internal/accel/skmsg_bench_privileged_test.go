@@ -239,3 +239,44 @@ func benchConnections(b *testing.B, a *Agent, addr string) {
 	b.ReportMetric(float64(ns1-ns0)/n, "sockops-ns/conn")
 	b.ReportMetric(float64(r1-r0)/n, "sockops-runs/conn")
 }
+
+// BenchmarkPrivilegedSetsockopt: what one setsockopt (TCP_NODELAY, as
+// every Go dial and most proxies set it) costs a process of the agent's
+// cgroup, without the agent and with it. The cgroup setsockopt hook
+// (mw_setsockopt) locks the socket and copies the option around the
+// program's run, which the kernel's run-time statistics do not count:
+// ns/op is the whole call (noisy; compare the two in one run).
+//
+//	go test -run '^$' -bench Setsockopt -benchtime 1000000x ./internal/accel
+func BenchmarkPrivilegedSetsockopt(b *testing.B) {
+	testutil.RequirePrivileged(b)
+	for _, agent := range []bool{false, true} {
+		b.Run(fmt.Sprintf("agent=%v", agent), func(b *testing.B) {
+			if agent {
+				startAgent(b, Config{Observe: true})
+			}
+			ln := mustListen(b, "127.0.0.2:0")
+			defer ln.Close()
+			c, s := acceptedPair(b, ln, dialer(ln.Addr().String()))
+			defer c.Close()
+			defer s.Close()
+			rc, err := c.(*net.TCPConn).SyscallConn()
+			if err != nil {
+				b.Fatal(err)
+			}
+			var serr error
+			b.ResetTimer()
+			if err := rc.Control(func(fd uintptr) {
+				for i := 0; i < b.N && serr == nil; i++ {
+					serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+				}
+			}); err != nil {
+				b.Fatal(err)
+			}
+			b.StopTimer()
+			if serr != nil {
+				b.Fatal(serr)
+			}
+		})
+	}
+}
