@@ -58,7 +58,7 @@ timeout_s=${MESHWARP_VM_TIMEOUT:-$((probe_timeout_s + accel_timeout_s + retry_ti
 # and the lifecycle (kill, adopt, upgrade, uninstall under load; a refused
 # upgrade; another tool's sockmap beside ours: what the sk_msg attach
 # mechanism changes).
-accel_tests='NodeMemoryPressureBlocksWriter|IntegrityLoopback|IntegrityAcrossNetns|NetnsIsolationCollidingTuples|NoPathSwitchMidStream|PairAcrossSourcePortRemap|Compat|AdmissionOutsideClientDuringConnect|NoHarmServerOutsideCgroup|NoHarmPassthroughFIONREAD|Faithful(SlowReader|SendAfterShutdown|EarlyWriteKeepsOrder|LearnedFIONREAD)|SmallStreamSwitchKeepsEveryByte|SwitchThenCloseCountsEverySocket|AbortedConnectionsCountEverySocket|DownloadSocketsLeave|DownloadWhileUploadingKeepsEveryByte|FallbackSockhashFull|ConnSlotsReusedAndProbed|NoMisdeliveryAfterSlotReuse|UpgradeToOtherLayoutRefused|CoexistOtherSockmapUser'
+accel_tests='NodeMemoryPressureBlocksWriter|IntegrityLoopback|IntegrityAcrossNetns|NetnsIsolationCollidingTuples|NoPathSwitchMidStream|PairAcrossSourcePortRemap|Compat|AdmissionOutsideClientDuringConnect|NoHarmServerOutsideCgroup|NoHarmPassthroughFIONREAD|Faithful(SlowReader|SendAfterShutdown|EarlyWriteKeepsOrder|LearnedFIONREAD)|SmallStreamSwitchKeepsEveryByte|SwitchThenCloseCountsEverySocket|AbortedConnectionsCountEverySocket|DownloadSocketsLeave|DownloadWhileUploadingKeepsEveryByte|FallbackSockhashFull|ConnSlotsReusedAndProbed|NoMisdeliveryAfterSlotReuse|PairPointsIDsSurviveRestart|UpgradeToOtherLayoutRefused|CoexistOtherSockmapUser'
 # TestPrivilegedLifecycleUnderLoad (kill, adopt, upgrade, uninstall under
 # load) takes 180-300 s here, about 10x the host; its streams' deadline is a
 # time without progress, not a lifetime (it failed as "i/o timeout" when it

@@ -79,10 +79,11 @@ struct {
 } mw_pair_flows SEC(".maps");
 
 /* The points of mw_pair_flows' records, by content (struct mw_pair_points_key) -> id. */
+#define MW_PAIR_POINTS_MAX 8192
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(max_entries, 8192);
+	__uint(max_entries, MW_PAIR_POINTS_MAX);
 	__type(key, struct mw_pair_points_key);
 	__type(value, __u32);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
@@ -463,7 +464,9 @@ static __always_inline void obs_joins(struct mw_sk_state *st, struct mw_obs_side
  * The id of connection c's two points (mw_pair_points), interned at its
  * first exchange; 0 when mw_pair_points is full (counted in flows_full).
  * Two sides interning the same new points at once draw two ids; the one
- * that loses the insert reads the winner's.
+ * that loses the insert reads the winner's. Entries are never deleted, so
+ * no id is drawn once as many were given as the map holds: the count
+ * never wraps onto a given id.
  */
 static __always_inline __u32 pair_points(struct mw_conn *c)
 {
@@ -485,8 +488,11 @@ static __always_inline __u32 pair_points(struct mw_conn *c)
 		last = bpf_map_lookup_elem(&mw_pair_ids, &zero);
 		if (!last)
 			return 0;
-		fresh = __sync_add_and_fetch(last, 1);
-		err = bpf_map_update_elem(&mw_pair_points, &p, &fresh, BPF_NOEXIST);
+		err = -1;
+		if (*last < MW_PAIR_POINTS_MAX) {
+			fresh = __sync_add_and_fetch(last, 1);
+			err = bpf_map_update_elem(&mw_pair_points, &p, &fresh, BPF_NOEXIST);
+		}
 		if (err && err != -MW_EEXIST) {
 			cnt = counters();
 			if (cnt)

@@ -3,6 +3,7 @@
 package accel
 
 import (
+	"io"
 	"math"
 	"net/netip"
 	"testing"
@@ -82,6 +83,79 @@ func TestPrivilegedPairFlowsReadAtBothPoints(t *testing.T) {
 		}
 		if sumNs := uint64(math.Round(f.SumSeconds * 1e9)); f.Count != w.count || f.Buckets[1] != w.count || sumNs != w.count*1000 {
 			t.Errorf("netns %#x: count %d, bucket %d, sum %d ns; want %d, %d, %d ns", w.netns, f.Count, f.Buckets[1], sumNs, w.count, w.count, w.count*1000)
+		}
+	}
+}
+
+// A paired connection's two points get an id once (mw_pair_points) and
+// its exchanges are recorded under it. The ids are pinned with the points:
+// a restarted agent that gave a new pair of points an id the old one gave
+// already would add one server's exchanges to the other's. Exchanges of
+// two servers, one before a restart and one after, are counted at each
+// server exactly, at both points.
+func TestPrivilegedPairPointsIDsSurviveRestart(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	a := startAgent(t, Config{Observe: true})
+	exchanges := func(a *Agent, n int) netip.AddrPort {
+		ln := mustListen(t, "127.0.0.1:0")
+		defer ln.Close()
+		client, server := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+		defer client.Close()
+		defer server.Close()
+		req := []byte("GET /points HTTP/1.1\r\nHost: meshwarp\r\n\r\n")
+		resp := []byte("HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+		buf := make([]byte, max(len(req), len(resp)))
+		for range n {
+			if _, err := client.Write(req); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := io.ReadFull(server, buf[:len(req)]); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := server.Write(resp); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := io.ReadFull(client, buf[:len(resp)]); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return netip.MustParseAddrPort(ln.Addr().String())
+	}
+	const beforeN, afterN = 3, 5
+	first := exchanges(a, beforeN)
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	a2, err := Start(a.cfg, nil)
+	if err != nil {
+		t.Fatalf("restart: %v", err)
+	}
+	t.Cleanup(func() {
+		if _, err := a2.Uninstall(); err != nil {
+			t.Errorf("uninstall: %v", err)
+		}
+	})
+	second := exchanges(a2, afterN)
+	flows, err := a2.Flows()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range []struct {
+		server netip.AddrPort
+		count  uint64
+	}{{first, beforeN}, {second, afterN}} {
+		points := 0
+		for _, f := range flows {
+			if f.Server != w.server || f.Proto != "http" || !f.Accelerated {
+				continue
+			}
+			points++
+			if f.Count != w.count || f.Method != "GET" || f.Status != 200 {
+				t.Errorf("server %s, point %s: %d exchanges (%s %d), want %d GET 200", w.server, f.Point, f.Count, f.Method, f.Status, w.count)
+			}
+		}
+		if points != 2 {
+			t.Errorf("server %s: exchanges at %d points, want 2 (client and server)", w.server, points)
 		}
 	}
 }
