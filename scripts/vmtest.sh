@@ -41,11 +41,14 @@ cache=${MESHWARP_VM_CACHE:-/var/lib/meshwarp-vmtest}
 # The guest's test binaries each have a timeout (go test -timeout), which
 # names the test that hangs; the VM's wall-clock timeout covers all of them
 # in a row plus boot and `meshwarp probe` (4 minutes), so it ends only a
-# guest that hangs outside the tests. A VM takes 9-13 minutes (its accel
-# tests 400-600 s, of which TestPrivilegedLifecycleUnderLoad 180-300 s);
-# two at their limit (66 minutes) and the rest of CI (about 10) stay under
-# the 90 minutes CI allows.
-probe_timeout_s=240 accel_timeout_s=1080 retry_timeout_s=360
+# guest that hangs outside the tests. A VM takes 9-19 minutes (its accel
+# tests 400-900 s, of which TestPrivilegedLifecycleUnderLoad 180-300 s
+# alone; software emulation slows down with the host's load: one CI run
+# went past an 1080 s limit with every test passing or running). A guest
+# that passes takes at most about 25 minutes, two and the rest of CI
+# (about 15) stay under the 90 minutes CI allows; one at its limit means
+# a hang, which fails CI anyway.
+probe_timeout_s=240 accel_timeout_s=1500 retry_timeout_s=360
 timeout_s=${MESHWARP_VM_TIMEOUT:-$((probe_timeout_s + accel_timeout_s + retry_timeout_s + 300))}
 
 # What proves a kernel, chosen for the emulation budget (see above):
