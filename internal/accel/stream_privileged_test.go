@@ -366,7 +366,7 @@ func logSwitches(t *testing.T, d Stats) {
 
 // inSockMap reports whether c is in mw_sock_map now (one lookup: the leave
 // poll may move it out while a full listing reads).
-func inSockMap(t *testing.T, a *Agent, c net.Conn) bool {
+func inSockMap(t testing.TB, a *Agent, c net.Conn) bool {
 	t.Helper()
 	rc, err := c.(syscall.Conn).SyscallConn()
 	if err != nil {
