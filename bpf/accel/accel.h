@@ -24,18 +24,6 @@ enum mw_role {
 };
 
 /*
- * Key of a socket in mw_sock_map. The active socket's cookie (unique for the
- * boot) makes the key of a closed connection useless to a later connection
- * that happens to draw the same sequence numbers.
- */
-struct mw_sock_key {
-	struct mw_conn_id conn;
-	__u64 active_cookie;
-	enum mw_role role; /* of the socket stored under this key */
-	__u32 _pad;
-};
-
-/*
  * The per-connection decision, made once: a connection is either paired
  * (both directions redirected from the first byte) or left to TCP for its
  * whole life. state moves only PENDING -> PAIRED or PENDING -> PASSTHROUGH,
@@ -241,14 +229,15 @@ struct mw_flow {
  * and at close.
  */
 struct mw_obs_sock {
-	/* What every redirected message reads or writes (obs_msg) first: the line after mw_sock.pair's. */
+	/* What every redirected message reads or writes (obs_msg) first: see struct mw_sock. */
 	__u32 started;     /* observed since its connect or establishment (else unknown) */
 	__u32 accelerated; /* its connection was paired (sk_msg saw it) */
+	__u32 seq_set;     /* MW_SEQ_* bits (observe.h) */
+	__u32 point;       /* enum mw_point */
 	__u64 bytes;      /* payload bytes not yet added to mw_flows */
 	__u64 flushed_ns; /* when they were last added */
 	__u64 netns;
 	struct mw_endpoint server;
-	__u32 point;      /* enum mw_point */
 	__u64 start_ns;   /* connect (failures) or established; 0 once its end was recorded */
 	__u64 req_ns;     /* TCP path: a request in flight since (0: none) */
 	__u64 app_req_ns; /* a client application's request not yet answered by a read */
@@ -256,8 +245,6 @@ struct mw_obs_sock {
 	__u32 req_egress; /* the request left through this socket (1) or arrived (0) */
 	__u32 snd_next;   /* end of the highest segment sent / received: retransmitted */
 	__u32 rcv_next;   /* segments are not parsed twice */
-	__u32 seq_set;    /* MW_SEQ_* bits (observe.h) */
-	__u32 _pad;
 };
 
 /* One socket's observation point as its connection keeps it (struct mw_obs_conn). */
@@ -265,7 +252,6 @@ struct mw_obs_side {
 	__u64 netns;
 	struct mw_endpoint server;
 	enum mw_point point;
-	__u32 observed; /* the socket is observed (else the rest is unset) */
 };
 
 /*
@@ -279,7 +265,7 @@ struct mw_obs_conn {
 	__u32 req_role;   /* enum mw_role of the requesting side */
 	__u32 req_method;
 	__u32 points;     /* the two points' mw_pair_points id; 0: not interned yet */
-	__u32 _pad;
+	__u32 observed;   /* bit role - 1: that side's socket is observed (else its side is unset) */
 	/*
 	 * Each side's point, by role - 1 (obs_joins: the active side's when it
 	 * creates the entry, the passive side's before PAIRED). An exchange is
@@ -310,29 +296,28 @@ struct mw_conn {
 	 * lookup compares it with its own identity.
 	 */
 	struct mw_conn_id id;
+	enum mw_conn_state state; /* changed only by cmpxchg, but when the slot is claimed or released */
 	/*
-	 * Of this slot as a home (maps.h, conn_home), not of its connection:
-	 * bit i set when a connection homed here took the slot i further
-	 * (never cleared), so a lookup reads only those.
-	 */
-	__u32 probed;
-	/*
-	 * Who may still use the slot: MW_HOLD_* bits of its sockets, and the
-	 * leave poll's listings (polls). It is claimed again only when both
-	 * are 0, so a socket's index in mw_sock_map (maps.h, sock_index) names
-	 * this connection's socket or none while either end may send.
-	 */
-	__u32 holders;
-	__u32 polls;
-	/*
-	 * What every message reads or writes (redirect.h, observe.h) next to
-	 * the identity that the lookup has just compared, on its cache line.
+	 * What every message reads or writes (redirect.h, observe.h), with the
+	 * identity that the lookup has just compared, on one cache line
+	 * (mw_conns is page-aligned and a slot a whole number of lines).
 	 */
 	__u32 to_tcp;
 	__u32 last_sender;      /* role of the side that sent the last redirected message */
 	__u32 same_netns;       /* both sockets in one network namespace (loopback) */
-	enum mw_conn_state state; /* changed only by cmpxchg, but when the slot is claimed or released */
 	struct mw_obs_conn obs;
+	/*
+	 * Kernel addresses of the two sockets (struct sock), for reading the
+	 * peer's redirect queue depth with bpf_probe_read_kernel. Read only while
+	 * the connection is PAIRED; a read after the peer was freed is harmless
+	 * (probe reads do not fault, and a closed peer sends its writer to TCP
+	 * whatever the value).
+	 */
+	__u64 active_sk;
+	__u64 passive_sk;
+	__u64 active_netns; /* netns cookie of the connecting socket */
+	struct mw_endpoint active_local; /* what the passive side must see as its remote */
+	struct mw_endpoint active_remote; /* the destination the application dialled (the tap's tuple) */
 	/*
 	 * A paired connection that continues on TCP as a whole (to_tcp set once,
 	 * by cmpxchg, with to_tcp_reason): each side switches its direction on
@@ -349,19 +334,24 @@ struct mw_conn {
 	__u32 released_us;               /* when its connecting side closed (MW_HOLD_RESERVED lapses) */
 	__u32 counted_out;               /* bit role - 1: that socket is counted out of accelerated_sockets (leave.h) */
 	/*
-	 * Kernel addresses of the two sockets (struct sock), for reading the
-	 * peer's redirect queue depth with bpf_probe_read_kernel. Read only while
-	 * the connection is PAIRED; a read after the peer was freed is harmless
-	 * (probe reads do not fault, and a closed peer sends its writer to TCP
-	 * whatever the value).
+	 * Of the slot, not of its connection (a claim clears everything from
+	 * to_tcp up to here). probed: of this slot as a home (maps.h,
+	 * conn_home): bit i set when a connection homed here took the slot i
+	 * further (never cleared), so a lookup reads only those.
 	 */
-	__u64 active_sk;
-	__u64 passive_sk;
-	__u64 active_netns; /* netns cookie of the connecting socket */
-	__u64 active_cookie;
-	struct mw_endpoint active_local; /* what the passive side must see as its remote */
-	struct mw_endpoint active_remote; /* the destination the application dialled (the tap's tuple) */
+	__u32 probed;
+	/*
+	 * Who may still use the slot: MW_HOLD_* bits of its sockets, and the
+	 * leave poll's listings (polls). It is claimed again only when both
+	 * are 0, so a socket's index in mw_sock_map (maps.h, sock_index) names
+	 * this connection's socket or none while either end may send.
+	 */
+	__u32 holders;
+	__u32 polls;
 };
+_Static_assert(__builtin_offsetof(struct mw_conn, obs.observed) + sizeof(__u32) <= 64,
+	       "what a message reads of mw_conn must fit its first cache line");
+_Static_assert(sizeof(struct mw_conn) % 64 == 0, "an mw_conns slot must be a whole number of cache lines");
 
 /*
  * mw_leave_clock's one value: the node's one leave poll timer (leave.h),
@@ -400,22 +390,26 @@ struct mw_tap_stats {
 	__u64 cut;       /* messages longer than the snaplen (recorded cut) */
 };
 
-/* Per-socket state (sk_storage), freed by the kernel with the socket. */
+/*
+ * Per-socket state (sk_storage), freed by the kernel with the socket. What
+ * every redirected message reads or writes (redirect.h) comes first, then
+ * what pairing, a switch to TCP and the close use: see struct mw_sock.
+ */
 struct mw_sk_state {
-	struct mw_sock_key peer; /* where this socket's bytes go when paired */
-	__u32 role;
 	__u32 decision; /* 0 = undecided, else enum mw_conn_state PAIRED/PASSTHROUGH */
-	__u32 reason;
-	__u32 hop;
-	__u32 holds;     /* the MW_HOLD_* bit this socket holds in its connection's slot, dropped at its close */
-	__u32 paired;    /* counted in sockets_paired; sticks when decision later changes */
+	__u32 role;
+	struct mw_conn_id conn; /* its connection (with conn_slot: conn_of) */
+	__u32 conn_slot;        /* its connection's slot in mw_conns */
+	enum mw_role peer_role; /* the peer's role: with conn_slot, its index in mw_sock_map (sock_index) */
 	__u32 credit;    /* bytes it may still redirect before reading its peer's backlog again (redirect.h) */
-	__u64 peer_sk;   /* the peer's struct sock address (see struct mw_conn) */
+	__u32 hop;
 	__u64 sent;      /* bytes this socket redirected: its stream offset (the tap's sequence numbers) */
+	__u64 redir_ns;  /* coarse clock at its last redirect (fin_order.h) */
 	__u64 run_bytes; /* bytes of this socket's messages since its peer last sent */
 	__u32 run_msgs;  /* and their count */
-	__u32 left;      /* left mw_sock_map after its connection went to TCP (plain TCP since) */
-	__u64 redir_ns;  /* coarse clock at its last redirect (fin_order.h) */
+	/* The rest: at pairing, at a look at the peer's backlog, a switch to TCP and the close. */
+	__u32 reason;
+	__u64 peer_sk;   /* the peer's struct sock address (see struct mw_conn) */
 	/*
 	 * The redirect budget (redirect.h, over_budget): this direction's own,
 	 * 0 until its first look at the peer's backlog (made by decide: empty
@@ -425,7 +419,10 @@ struct mw_sk_state {
 	__u32 budget;
 	__u32 seen_backlog;
 	__u32 seen_sent;
-	__u32 conn_slot; /* its connection's slot in mw_conns (with peer.conn: conn_of) */
+	__u8 holds;      /* the MW_HOLD_* bit this socket holds in its connection's slot, dropped at its close */
+	__u8 paired;     /* counted in sockets_paired; sticks when decision later changes */
+	__u8 left;       /* left mw_sock_map after its connection went to TCP (plain TCP since) */
+	__u8 _pad;
 };
 
 /*
@@ -453,6 +450,16 @@ struct mw_sock {
 };
 /* pair_state returns &rec->pair as the record itself (and obs_msg the reverse). */
 _Static_assert(__builtin_offsetof(struct mw_sock, pair) == 0, "mw_sock.pair must come first");
+/*
+ * A message reads a record's first two cache lines only, as the kernel
+ * places it: sk_storage keeps the record at a line's start plus its 8-byte
+ * map pointer (struct bpf_local_storage_elem.sdata, ____cacheline_aligned),
+ * which the lookup reads anyway. Each further line is a cache miss per
+ * message in a proxy with many connections (docs/BENCHMARKS.md section 38).
+ * The pairing part's own first fields come before these.
+ */
+_Static_assert(__builtin_offsetof(struct mw_sock, obs.flushed_ns) + sizeof(__u64) <= 2 * 64 - 8,
+	       "what a message reads of mw_sock must fit its first two cache lines");
 
 /* Counters, one copy per CPU (summed by Go). Cumulative. */
 struct mw_counters {

@@ -188,7 +188,7 @@ static __always_inline void poll_leave(const struct mw_sk_state *st, struct mw_c
 	 * back if the connection was listed already.
 	 */
 	__sync_fetch_and_add(&c->polls, 1);
-	if (bpf_map_update_elem(&mw_leave_polls, &st->peer.conn, &slot, BPF_NOEXIST) == 0)
+	if (bpf_map_update_elem(&mw_leave_polls, &st->conn, &slot, BPF_NOEXIST) == 0)
 		__sync_fetch_and_add(&clock->polls, 1);
 	else
 		__sync_fetch_and_sub(&c->polls, 1);
@@ -371,7 +371,7 @@ static __always_inline void on_close(struct bpf_sock *sk)
 		return;
 	if (st->holds == MW_HOLD_ACTIVE) {
 		/* Its own hold keeps the slot this connection's (published until now). */
-		struct mw_conn *c = conn_held(st->conn_slot, &st->peer.conn);
+		struct mw_conn *c = conn_held(st->conn_slot, &st->conn);
 
 		/*
 		 * A passive side in the middle of pairing (between its lookup and
@@ -394,7 +394,7 @@ static __always_inline void on_close(struct bpf_sock *sk)
 			conn_end(c, mw_now_us());
 		}
 		st->holds = 0;
-	} else if (st->role == MW_ROLE_PASSIVE && st->peer.role == MW_ROLE_ACTIVE) {
+	} else if (st->role == MW_ROLE_PASSIVE && st->peer_role == MW_ROLE_ACTIVE) {
 		/* Still there if the active side has not closed (it gave us its last bytes then). */
 		struct mw_conn *c = conn_of(st);
 
@@ -406,7 +406,7 @@ static __always_inline void on_close(struct bpf_sock *sk)
 			obs_passive_end(sk);
 		}
 		if (st->holds == MW_HOLD_PASSIVE) {
-			c = conn_held(st->conn_slot, &st->peer.conn);
+			c = conn_held(st->conn_slot, &st->conn);
 			if (c)
 				conn_drop(c, MW_HOLD_PASSIVE);
 			st->holds = 0;

@@ -62,7 +62,15 @@ const volatile __u32 stream_small_bytes_remote; /* across namespaces (veth) */
  * finds it (conn_find). Every slot is allocated up front, as a hash's
  * elements were.
  */
-MW_PINNED_MAP(BPF_MAP_TYPE_ARRAY, MW_DEFAULT_CAPACITY, __u32, struct mw_conn) mw_conns SEC(".maps");
+/* BPF_F_MMAPABLE for its page-aligned slots (struct mw_conn: a message reads one cache line); never mapped. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_MMAPABLE);
+	__uint(max_entries, MW_DEFAULT_CAPACITY);
+	__type(key, __u32);
+	__type(value, struct mw_conn);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_conns SEC(".maps");
 /* mw_conns' size, set by the loader with it. */
 const volatile __u32 conn_slots = MW_DEFAULT_CAPACITY;
 /* At most this far from its home (mw_conn.probed has a bit for each). */
@@ -131,7 +139,7 @@ static __always_inline struct mw_conn *conn_held(__u32 slot, const struct mw_con
 /* sk's connection (st: its pairing state), or NULL: closed by its connecting side, or never paired. */
 static __always_inline struct mw_conn *conn_of(const struct mw_sk_state *st)
 {
-	return conn_at(st->conn_slot, &st->peer.conn);
+	return conn_at(st->conn_slot, &st->conn);
 }
 
 /* The first slot where connection id may be (the initial sequence numbers are random), and how many. */

@@ -444,20 +444,22 @@ static __always_inline struct mw_obs_sock *obs_of(struct mw_sk_state *st)
 }
 
 /*
- * sock_ops: a socket (its record's pairing part st) joins its connection:
- * its point, in the side of mw_conn.obs its role names. The active side's
- * slot is not published yet, the passive side's before PAIRED.
+ * sock_ops: a socket (its record's pairing part st) joins connection c:
+ * its point, in the side of c->obs its role names (me: role - 1). The
+ * active side's slot is not published yet, the passive side's before
+ * PAIRED: each side is written by its own socket, before the other reads it.
  */
-static __always_inline void obs_joins(struct mw_sk_state *st, struct mw_obs_side *side)
+static __always_inline void obs_joins(struct mw_sk_state *st, struct mw_conn *c, __u32 me)
 {
 	struct mw_obs_sock *o = obs_of(st);
+	struct mw_obs_side *side = &c->obs.side[me & 1];
 
 	if (!observe || !o->started)
 		return;
 	side->netns = o->netns;
 	side->server = o->server;
 	side->point = o->point;
-	side->observed = 1;
+	c->obs.observed |= 1u << (me & 1);
 }
 
 /*
@@ -555,9 +557,8 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 	/* The precise clock only for an exchange's duration; the flush needs no more than the coarse one. */
 	now = kind == MW_HTTP_NONE ? coarse_now : bpf_ktime_get_ns();
 	if (kind == MW_HTTP_REQUEST) {
-		/* Only a connecting socket is a client (obs_point). */
-		if (st->role == MW_ROLE_ACTIVE && c->obs.side[0].point == MW_POINT_CLIENT)
-			obs_app_request(o, method, now);
+		/* Only a client's own socket (obs_point) waits for its answer. */
+		obs_app_request(o, method, now);
 		c->obs.req_role = st->role;
 		c->obs.req_method = method;
 		c->obs.req_ns = now;
@@ -565,7 +566,7 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 		d = now - c->obs.req_ns;
 		c->obs.req_ns = 0;
 		/* Both sides observed, as both sent: the requester set req_ns, and o is started. */
-		if (c->obs.side[0].observed && c->obs.side[1].observed) {
+		if (c->obs.observed == 3) {
 			k.points = pair_points(c);
 			k.status = status;
 			k.method = c->obs.req_method;
@@ -622,7 +623,7 @@ static __always_inline void obs_conn_end(struct bpf_sock *sk, struct mw_conn *c,
 		if (b)
 			o->accelerated = 1; /* a one-way receiver: sk_msg never saw it send */
 	}
-	if (me != 0 || !c->obs.side[1].observed)
+	if (me != 0 || !(c->obs.observed & 2))
 		return;
 	b = obs_claim_peer_bytes(c, 1);
 	if (!b)

@@ -248,7 +248,6 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 						  __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags)
 {
 	struct mw_tuple t = {};
-	struct mw_sock_key key = {};
 	struct mw_sk_state *st;
 	struct mw_conn *c, *other;
 	struct mw_conn_id id = { .active_isn1 = snd_nxt, .passive_isn1 = rcv_nxt };
@@ -312,26 +311,23 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		count_conn(reason);
 		return;
 	}
-	/* Everything after the identity (claimed): what the slot's last connection left goes. */
-	__builtin_memset(&c->to_tcp, 0, sizeof(*c) - __builtin_offsetof(struct mw_conn, to_tcp));
-	c->active_cookie = bpf_get_socket_cookie(skops);
+	/* Everything of the connection after the identity (claimed): what the slot's last connection left goes. */
+	__builtin_memset(&c->to_tcp, 0,
+			 __builtin_offsetof(struct mw_conn, probed) - __builtin_offsetof(struct mw_conn, to_tcp));
 	c->active_sk = (__u64)(unsigned long)sk;
 	c->active_local = t.local;
 	c->active_remote = t.remote;
 	c->active_is_sidecar = socket_uid(sk) == sidecar_uid;
 	c->active_netns = bpf_get_netns_cookie(skops);
 	c->pending_us = now_us;
-	obs_joins(st, &c->obs.side[0]);
+	obs_joins(st, c, 0);
 	conn_publish(c, MW_CONN_PENDING);
 	st->holds = MW_HOLD_ACTIVE;
-	st->peer.conn = id;
+	st->conn = id;
 	st->conn_slot = slot;
 	/* STATE_CB lets us let go of the slot when this socket closes. */
 	want_callbacks(skops, cb_flags);
 
-	key.conn = id;
-	key.active_cookie = c->active_cookie;
-	key.role = MW_ROLE_ACTIVE;
 	index = sock_index(slot, MW_ROLE_ACTIVE);
 	err = bpf_sock_map_update(skops, &mw_sock_map, &index, BPF_NOEXIST);
 	if (err) {
@@ -342,8 +338,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 		st->reason = reason;
 		return;
 	}
-	st->peer = key;
-	st->peer.role = MW_ROLE_PASSIVE;
+	st->peer_role = MW_ROLE_PASSIVE;
 }
 
 static __always_inline __u32 classify_hop(__u32 passive_local_port, const struct mw_conn *c)
@@ -400,7 +395,6 @@ static __always_inline bool passive_joins(struct bpf_sock_ops *skops, struct bpf
 					  struct mw_conn_id *idp, struct mw_conn *c, __u32 slot, __u32 cb_flags)
 {
 	struct mw_conn_id id = *idp;
-	struct mw_sock_key key = {};
 	struct mw_sk_state *st;
 	struct mw_counters *cnt;
 	__u32 hop, reason, index, *learned;
@@ -453,9 +447,6 @@ static __always_inline bool passive_joins(struct bpf_sock_ops *skops, struct bpf
 	}
 	st->role = MW_ROLE_PASSIVE;
 
-	key.conn = id;
-	key.active_cookie = c->active_cookie;
-	key.role = MW_ROLE_PASSIVE;
 	/* Join the map before announcing PAIRED: the active side redirects to us then. */
 	index = sock_index(slot, MW_ROLE_PASSIVE);
 	err = bpf_sock_map_update(skops, &mw_sock_map, &index, BPF_NOEXIST);
@@ -472,7 +463,7 @@ static __always_inline bool passive_joins(struct bpf_sock_ops *skops, struct bpf
 	c->hop = hop;
 	c->passive_sk = (__u64)(unsigned long)sk;
 	c->same_netns = bpf_get_netns_cookie(skops) == c->active_netns;
-	obs_joins(st, &c->obs.side[1]);
+	obs_joins(st, c, 1);
 	/* The leave poll's timer (leave.h), ready before a switch can start it. */
 	leave_clock_ready();
 	if (__sync_val_compare_and_swap(&c->state, MW_CONN_PENDING, MW_CONN_PAIRED) != MW_CONN_PENDING) {
@@ -486,8 +477,8 @@ static __always_inline bool passive_joins(struct bpf_sock_ops *skops, struct bpf
 		remove_active(slot, c);
 		return false;
 	}
-	st->peer = key;
-	st->peer.role = MW_ROLE_ACTIVE;
+	st->conn = id;
+	st->peer_role = MW_ROLE_ACTIVE;
 	st->conn_slot = slot;
 	st->holds = MW_HOLD_PASSIVE;
 	st->peer_sk = c->active_sk;

@@ -14,7 +14,7 @@
 /* Decide once per socket, on its first message; cache the answer in sk_storage. */
 static __always_inline void decide(struct mw_sk_state *st, struct bpf_sock *sk)
 {
-	struct mw_conn_id id = st->peer.conn;
+	struct mw_conn_id id = st->conn;
 	struct mw_conn *c = conn_of(st);
 	struct tcp_sock *tp;
 
@@ -279,7 +279,7 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 					__sync_val_compare_and_swap(&c->dir[dir_index(st->role)], MW_DIR_REDIRECT,
 								    MW_DIR_TCP);
 			}
-		} else if (bpf_msg_redirect_map(msg, &mw_sock_map, sock_index(st->conn_slot, st->peer.role), BPF_F_INGRESS) ==
+		} else if (bpf_msg_redirect_map(msg, &mw_sock_map, sock_index(st->conn_slot, st->peer_role), BPF_F_INGRESS) ==
 			   SK_PASS) {
 			if (tap)
 				tap_record(msg, st, size);

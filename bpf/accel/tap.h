@@ -67,7 +67,7 @@ static __always_inline void tap_record(struct sk_msg_md *msg, struct mw_sk_state
 	struct mw_tap_stats *ts = bpf_map_lookup_elem(&mw_tap_counters, &zero);
 	struct mw_tap_buf *b = bpf_map_lookup_elem(&mw_tap_scratch, &cpu);
 	struct mw_endpoint local = {}, remote = {};
-	struct mw_conn_id id = st->peer.conn;
+	struct mw_conn_id id = st->conn;
 	struct mw_conn *c;
 	bool active = st->role == MW_ROLE_ACTIVE;
 

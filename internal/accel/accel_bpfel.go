@@ -22,14 +22,10 @@ type accelMwCidrKey struct {
 type accelMwConn struct {
 	_          structs.HostLayout
 	Id         accelMwConnId
-	Probed     uint32
-	Holders    uint32
-	Polls      uint32
+	State      accelMwConnState
 	ToTcp      uint32
 	LastSender uint32
 	SameNetns  uint32
-	State      accelMwConnState
-	_          [4]byte
 	Obs        struct {
 		_         structs.HostLayout
 		Sent      [2]uint64
@@ -37,17 +33,20 @@ type accelMwConn struct {
 		ReqRole   uint32
 		ReqMethod uint32
 		Points    uint32
-		Pad       uint32
+		Observed  uint32
 		Side      [2]struct {
-			_        structs.HostLayout
-			Netns    uint64
-			Server   accelMwEndpoint
-			Point    accelMwPoint
-			Observed uint32
-			_        [4]byte
+			_      structs.HostLayout
+			Netns  uint64
+			Server accelMwEndpoint
+			Point  accelMwPoint
 		}
 		Seen [2]uint64
 	}
+	ActiveSk        uint64
+	PassiveSk       uint64
+	ActiveNetns     uint64
+	ActiveLocal     accelMwEndpoint
+	ActiveRemote    accelMwEndpoint
 	Dir             [2]uint32
 	ToTcpReason     accelMwReason
 	Reason          accelMwReason
@@ -56,13 +55,9 @@ type accelMwConn struct {
 	PendingUs       uint32
 	ReleasedUs      uint32
 	CountedOut      uint32
-	_               [4]byte
-	ActiveSk        uint64
-	PassiveSk       uint64
-	ActiveNetns     uint64
-	ActiveCookie    uint64
-	ActiveLocal     accelMwEndpoint
-	ActiveRemote    accelMwEndpoint
+	Probed          uint32
+	Holders         uint32
+	Polls           uint32
 }
 
 type accelMwConnId struct {
@@ -260,25 +255,26 @@ const (
 
 type accelMwSkState struct {
 	_           structs.HostLayout
-	Peer        accelMwSockKey
-	Role        uint32
 	Decision    uint32
-	Reason      uint32
-	Hop         uint32
-	Holds       uint32
-	Paired      uint32
+	Role        uint32
+	Conn        accelMwConnId
+	ConnSlot    uint32
+	PeerRole    accelMwRole
 	Credit      uint32
-	_           [4]byte
-	PeerSk      uint64
+	Hop         uint32
 	Sent        uint64
+	RedirNs     uint64
 	RunBytes    uint64
 	RunMsgs     uint32
-	Left        uint32
-	RedirNs     uint64
+	Reason      uint32
+	PeerSk      uint64
 	Budget      uint32
 	SeenBacklog uint32
 	SeenSent    uint32
-	ConnSlot    uint32
+	Holds       uint8
+	Paired      uint8
+	Left        uint8
+	Pad         uint8
 }
 
 type accelMwSock struct {
@@ -288,11 +284,13 @@ type accelMwSock struct {
 		_           structs.HostLayout
 		Started     uint32
 		Accelerated uint32
+		SeqSet      uint32
+		Point       uint32
 		Bytes       uint64
 		FlushedNs   uint64
 		Netns       uint64
 		Server      accelMwEndpoint
-		Point       uint32
+		_           [4]byte
 		StartNs     uint64
 		ReqNs       uint64
 		AppReqNs    uint64
@@ -300,18 +298,8 @@ type accelMwSock struct {
 		ReqEgress   uint32
 		SndNext     uint32
 		RcvNext     uint32
-		SeqSet      uint32
-		Pad         uint32
 	}
 	Prog accelMwProg
-}
-
-type accelMwSockKey struct {
-	_            structs.HostLayout
-	Conn         accelMwConnId
-	ActiveCookie uint64
-	Role         accelMwRole
-	Pad          uint32
 }
 
 type accelMwSynId struct {

@@ -55,9 +55,8 @@ func checkPinnedLayout(spec *ebpf.CollectionSpec, pinDir string) error {
 		}
 	}
 	// The kernel keeps no BTF for some map types (SOCKMAP). Their types are
-	// checked against the BTF of the maps pinned with them (mw_sk_state holds
-	// an mw_sock_key): one agent's maps come from one object, or were
-	// adopted after this same check.
+	// checked against the BTF of the maps pinned with them: one agent's maps
+	// come from one object, or were adopted after this same check.
 	for _, name := range untyped {
 		if len(typed) == 0 {
 			errs = append(errs, fmt.Errorf("%s: no pinned map carries type information, so the layout cannot be verified", name))
