@@ -331,7 +331,7 @@ struct mw_conn {
 	enum mw_hop hop;                 /* written before state becomes PAIRED */
 	__u32 active_is_sidecar;         /* the connecting socket belongs to the sidecar uid */
 	__u32 pending_us;                /* when it became PENDING: mw_now_us(), wraps in 73 min */
-	__u32 released_us;               /* when its connecting side closed (MW_HOLD_RESERVED lapses) */
+	__u32 released_us;               /* when a socket last let go of it (MW_HOLD_RESERVED, MW_HOLD_LINGER lapse) */
 	__u32 counted_out;               /* bit role - 1: that socket is counted out of accelerated_sockets (leave.h) */
 	/*
 	 * Of the slot, not of its connection (a claim clears everything from

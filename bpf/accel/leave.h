@@ -356,6 +356,18 @@ static int on_leave_clock(void *map, __u32 *key, struct mw_leave_clock *clock)
 }
 
 /*
+ * Whether a socket reaching CLOSE is still in mw_sock_map: a reset or its
+ * TIME_WAIT closed it before its application did (close() unlinks it
+ * first). It has a psock then (a socket out of every SOCKMAP has none).
+ */
+static __always_inline bool closed_in_sock_map(struct bpf_sock *sk)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+
+	return tp && sock_linked((__u64)(unsigned long)tp);
+}
+
+/*
  * The close (STATE_CB to CLOSE) of a socket with pairing state. Counting:
  * a socket of a PAIRED connection is counted out of accelerated_sockets
  * once (claim_count), where it leaves or closes; the connecting side's
@@ -391,7 +403,7 @@ static __always_inline void on_close(struct bpf_sock *sk)
 		if (c) {
 			if (c->state)
 				obs_conn_end(sk, c, MW_ROLE_ACTIVE);
-			conn_end(c, mw_now_us());
+			conn_end(c, closed_in_sock_map(sk), mw_now_us());
 		}
 		st->holds = 0;
 	} else if (st->role == MW_ROLE_PASSIVE && st->peer_role == MW_ROLE_ACTIVE) {
@@ -408,7 +420,7 @@ static __always_inline void on_close(struct bpf_sock *sk)
 		if (st->holds == MW_HOLD_PASSIVE) {
 			c = conn_held(st->conn_slot, &st->conn);
 			if (c)
-				conn_drop(c, MW_HOLD_PASSIVE);
+				conn_release(c, MW_HOLD_PASSIVE, closed_in_sock_map(sk), mw_now_us());
 			st->holds = 0;
 		}
 	}

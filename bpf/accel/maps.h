@@ -101,9 +101,20 @@ static __always_inline __u32 sock_index(__u32 slot, __u32 role)
 #define MW_HOLD_PASSIVE 2  /* the accepted socket, paired: from its join to its close */
 #define MW_HOLD_RESERVED 4 /* for the accepted socket: from the claim until it joins or gives up */
 /*
- * A reservation lapses this long after the connecting side closed: no
- * accepted socket came (a late one no longer finds the slot, whose state is
- * 0, and one that found it before finishes within its callback).
+ * A socket closed while still in mw_sock_map: one that a reset or its
+ * TIME_WAIT closed while its application has it open. The kernel unlinks
+ * it only at that application's close() (and may not earlier: that drops
+ * the redirected bytes it has not read), so until then a connection that
+ * took the slot could not join at its index and would go to TCP.
+ */
+#define MW_HOLD_LINGER 8
+/*
+ * RESERVED and LINGER lapse this long after the last socket's close
+ * (released_us): no accepted socket came (a late one no longer finds the
+ * slot, whose state is 0, and one that found it before finishes within its
+ * callback); LINGER ends earlier, when the sockets left (conn_free). A
+ * connection that takes a slot whose index is still taken goes to TCP
+ * (sockhash_full).
  */
 #define MW_RESERVED_LAPSE_US (1000 * 1000)
 
@@ -172,13 +183,27 @@ static __always_inline struct mw_conn *conn_find(const struct mw_conn_id *id, __
 	return NULL;
 }
 
-/* Whether nobody holds slot c any more (now_us: mw_now_us()). */
+static __always_inline bool sock_linked(__u64 sk); /* sock.h */
+
+/*
+ * Whether nobody holds slot c any more (now_us: mw_now_us()). A LINGER hold
+ * ends as soon as neither of the connection's sockets is in a SOCKMAP any
+ * more (their applications closed them), read through the addresses the
+ * slot keeps: a socket still linked is not freed (the map holds a
+ * reference), so it reads as linked; a freed one may read as anything,
+ * and reads as linked at worst until the hold lapses.
+ */
 static __always_inline bool conn_free(const struct mw_conn *c, __u32 holders, __u32 now_us)
 {
 	if (c->polls)
 		return false;
-	return !holders ||
-	       (holders == MW_HOLD_RESERVED && !c->state && now_us - c->released_us > MW_RESERVED_LAPSE_US);
+	if (!holders)
+		return true;
+	if ((holders & ~(MW_HOLD_RESERVED | MW_HOLD_LINGER)) || c->state)
+		return false;
+	if (now_us - c->released_us > MW_RESERVED_LAPSE_US)
+		return true;
+	return !(holders & MW_HOLD_RESERVED) && !sock_linked(c->active_sk) && !sock_linked(c->passive_sk);
 }
 
 /*
@@ -224,12 +249,24 @@ static __always_inline void conn_drop(struct mw_conn *c, __u32 hold)
 	__sync_fetch_and_and(&c->holders, ~hold);
 }
 
+/*
+ * A closing socket that holds slot c with hold lets go of it; still in
+ * mw_sock_map (in_map), it keeps it LINGER held. released_us comes first:
+ * a claim that sees the LINGER bit reads the time it lapses from.
+ */
+static __always_inline void conn_release(struct mw_conn *c, __u32 hold, bool in_map, __u32 now_us)
+{
+	c->released_us = now_us;
+	if (in_map)
+		__sync_fetch_and_or(&c->holders, MW_HOLD_LINGER);
+	conn_drop(c, hold);
+}
+
 /* The connecting side closed: lookups stop finding the connection, and it lets go of the slot. */
-static __always_inline void conn_end(struct mw_conn *c, __u32 now_us)
+static __always_inline void conn_end(struct mw_conn *c, bool in_map, __u32 now_us)
 {
 	c->state = 0;
-	c->released_us = now_us;
-	conn_drop(c, MW_HOLD_ACTIVE);
+	conn_release(c, MW_HOLD_ACTIVE, in_map, now_us);
 }
 
 /*

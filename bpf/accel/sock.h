@@ -131,6 +131,12 @@ static __always_inline struct sk_psock *psock_of(struct sock *sk)
 	return (struct sk_psock *)user_data;
 }
 
+/* Whether the socket at kernel address sk (0: none) has a psock: it is in a SOCKMAP (maps.h, conn_free). */
+static __always_inline bool sock_linked(__u64 sk)
+{
+	return sk && psock_of((struct sock *)sk);
+}
+
 /* Kernels without msg_tot_len: how many queued messages redirect_backlog adds up. */
 #define MW_BACKLOG_WALK 64
 /* ... and what it reports when more are queued: over any sensible budget. */

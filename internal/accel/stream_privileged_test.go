@@ -523,6 +523,97 @@ func leavePollCountsOnce(t *testing.T, reset bool) {
 	})
 }
 
+// TestPrivilegedClosedSocketKeepsItsSlot: a paired socket that TCP closes
+// while its application still has it open (its peer's reset; its own
+// TIME_WAIT after a half-close) stays in the SOCKMAP until that
+// application closes it: the kernel unlinks it only then, and must not
+// earlier (its unread redirected bytes would go). While it is there its
+// connection's slot stays held, or the connection that takes the slot next
+// finds its index taken and goes to TCP (counted sockhash_full). Its last
+// bytes still arrive; without the agent, the same reset or EOF.
+func TestPrivilegedClosedSocketKeepsItsSlot(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	for _, reset := range []bool{true, false} {
+		t.Run(map[bool]string{true: "reset", false: "time-wait"}[reset], func(t *testing.T) {
+			forEachAgent(t, func(t *testing.T, a *Agent) { closedSocketKeepsItsSlot(t, a, reset) })
+		})
+	}
+}
+
+func closedSocketKeepsItsSlot(t *testing.T, a *Agent, reset bool) {
+	ln := mustListen(t, "127.0.0.1:0")
+	defer ln.Close()
+	client, server := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+	defer client.Close()
+	defer server.Close()
+	if err := exchangeBothWays(client, server, "before the close"); err != nil {
+		t.Fatal(err)
+	}
+	open := server // the socket TCP closes under its application
+	if reset {
+		// SO_LINGER 0: the client's close resets the connection.
+		if err := client.(*net.TCPConn).SetLinger(0); err != nil {
+			t.Fatal(err)
+		}
+		client.Close()
+	} else {
+		// The client half-closes first, so its socket goes to TIME_WAIT
+		// (CLOSE for its application) when the server's last bytes and FIN
+		// come, unread.
+		open = client
+		if err := client.(*net.TCPConn).CloseWrite(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadAll(server); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := server.Write([]byte("last")); err != nil {
+			t.Fatal(err)
+		}
+		server.Close()
+	}
+	waitTCPClosed(t, open)
+	if a != nil {
+		if !inSockMap(t, a, open) {
+			t.Fatal("the closed socket left the SOCKMAP before its application closed it: the test would not exercise the held slot")
+		}
+		if h := slotHolders(t, a, open); h == 0 {
+			t.Fatal("the slot of a socket still in the SOCKMAP is free: the next connection to take it cannot join")
+		}
+	}
+	if reset {
+		if _, err := server.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNRESET) {
+			t.Fatalf("read after the peer's reset: %v, want ECONNRESET", err)
+		}
+		return
+	}
+	if got, err := io.ReadAll(client); err != nil || string(got) != "last" {
+		t.Fatalf("the server's last bytes: %q, %v; want \"last\" and EOF", got, err)
+	}
+}
+
+// slotHolders reads the holders of the mw_conns slot that c's record names.
+func slotHolders(t *testing.T, a *Agent, c net.Conn) uint32 {
+	t.Helper()
+	rc, err := c.(syscall.Conn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec accelMwSock
+	var lerr error
+	if err := rc.Control(func(fd uintptr) {
+		key := int32(fd)
+		lerr = a.objs.MwSkStore.Lookup(&key, &rec)
+	}); err != nil || lerr != nil {
+		t.Fatal(err, lerr)
+	}
+	var conn accelMwConn
+	if err := a.objs.MwConns.Lookup(rec.Pair.ConnSlot, &conn); err != nil {
+		t.Fatal(err)
+	}
+	return conn.Holders
+}
+
 // pairBesideWitness makes two paired loopback connections and returns
 // one of them with the counters after both: the other (the witness) stays
 // open and paired until the test ends, so the accelerated_sockets gauge has
