@@ -277,6 +277,16 @@ for name in failed:
 ' || true
 }
 
+# timeout_details LOG: when go test's own timeout stopped a part, which test
+# was running and where its goroutine waited (the tail of the dump shows
+# only the last goroutines, rarely the test's).
+timeout_details() {
+	grep -q '^panic: test timed out' "$1" 2>/dev/null || return 0
+	echo "    the test binary's timeout stopped it:"
+	grep -A4 '^panic: test timed out' "$1" | sed 's/^/      /'
+	awk 'BEGIN { RS = "" } /\.TestPrivileged|testutil\./ && /^goroutine/ && !/CheckIntegrity\.func1|oneConn/' "$1" | head -80 | sed 's/^/      /'
+}
+
 # run_vm KERNEL OUT: boots KERNEL once, prints what each part said; returns
 # 0 if all passed, 1 if one failed, 2 if the guest stopped during a part,
 # before the VM's timeout, with no kernel report on its console or only a
@@ -315,6 +325,7 @@ run_vm() {
 		*)
 			grep -E '^(--- (PASS|FAIL|SKIP|\\(retry\\))|ok|FAIL|PASS|FIONREAD|not supported|retried)' "$log" 2>/dev/null | sed 's/^/    /' || true
 			failure_details "$log"
+			timeout_details "$log"
 			;;
 		esac
 		if [[ "$rc" != 0 ]]; then

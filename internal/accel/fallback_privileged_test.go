@@ -101,7 +101,8 @@ func TestPrivilegedFallbackSockhashFull(t *testing.T) {
 	target := echoOn(t, "127.0.0.1:0")
 	// First 2 connections (4 sockets, below capacity), then 20 more while
 	// those stay open, so the hash overflows; all are checked byte by byte.
-	stop := make(chan struct{})
+	stop, stopStreams := testutil.StopStreams()
+	defer stopStreams()
 	var done []chan testutil.IntegrityResult
 	for i, n := range []int{2, 20} {
 		started := make(chan struct{}, n)
@@ -114,7 +115,7 @@ func TestPrivilegedFallbackSockhashFull(t *testing.T) {
 		}
 		done = append(done, res)
 	}
-	close(stop)
+	stopStreams()
 	for _, res := range done {
 		if err := (<-res).Err(); err != nil {
 			t.Fatal(err)

@@ -88,7 +88,8 @@ func TestPrivilegedChartLifecycleUnderLoad(t *testing.T) {
 	dial := func() (net.Conn, error) { return net.Dial("tcp", target) }
 
 	old := testutil.StartAgentProc(t, cgroup, pinDir, chartFlags...)
-	stop := make(chan struct{})
+	stop, stopStreams := testutil.StopStreams()
+	defer stopStreams()
 	started := make(chan struct{}, 100)
 	streams := make(chan testutil.IntegrityResult, 1)
 	go func() {
@@ -107,7 +108,7 @@ func TestPrivilegedChartLifecycleUnderLoad(t *testing.T) {
 	for {
 		s, err := ReadPinnedStats(pinDir)
 		if err != nil {
-			close(stop)
+			stopStreams()
 			t.Fatal(err)
 		}
 		err = testutil.CheckPaired(s.AcceleratedSockets/2, 100, s.PassthroughConnections)
@@ -115,7 +116,7 @@ func TestPrivilegedChartLifecycleUnderLoad(t *testing.T) {
 			break
 		}
 		if time.Now().After(counted) {
-			close(stop)
+			stopStreams()
 			t.Fatalf("streams were not accelerated: %d sockets: %v", s.AcceleratedSockets, err)
 		}
 		time.Sleep(20 * time.Millisecond) // polling interval
@@ -123,17 +124,17 @@ func TestPrivilegedChartLifecycleUnderLoad(t *testing.T) {
 
 	// Rolling update: SIGTERM while the DaemonSet exists.
 	if code := old.Stop(t, syscall.SIGTERM); code != 0 {
-		close(stop)
+		stopStreams()
 		t.Fatalf("old pod exit %d:\n%s", code, old.Stderr())
 	}
 	if !pinned(pinDir) || api.gets.Load() != 1 {
-		close(stop)
+		stopStreams()
 		t.Fatalf("rolling update: pinned=%v after %d API reads; the data path must stay for the new pod:\n%s", pinned(pinDir), api.gets.Load(), old.Stderr())
 	}
 	checkNewConnections(t, dial, "between the old and the new pod")
 	next := testutil.StartAgentProc(t, cgroup, pinDir, chartFlags...)
 	if !strings.Contains(next.Stderr(), "adopted=true") {
-		close(stop)
+		stopStreams()
 		t.Fatalf("the new pod did not adopt the pinned data path:\n%s", next.Stderr())
 	}
 
@@ -149,7 +150,7 @@ func TestPrivilegedChartLifecycleUnderLoad(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			close(stop)
+			stopStreams()
 			t.Fatalf("the changed policy file was not applied within 30s:\n%s", next.Stderr())
 		}
 		time.Sleep(100 * time.Millisecond) // polling interval
@@ -158,14 +159,14 @@ func TestPrivilegedChartLifecycleUnderLoad(t *testing.T) {
 	// helm uninstall: the DaemonSet is deleted, then the pod stops.
 	api.exists.Store(false)
 	if code := next.Stop(t, syscall.SIGTERM); code != 0 {
-		close(stop)
+		stopStreams()
 		t.Fatalf("new pod exit %d:\n%s", code, next.Stderr())
 	}
 	if pinned(pinDir) {
-		close(stop)
+		stopStreams()
 		t.Fatalf("after helm uninstall the data path is still pinned:\n%s", next.Stderr())
 	}
-	close(stop)
+	stopStreams()
 	if err := (<-streams).Err(); err != nil {
 		t.Fatalf("streams through the chart's rolling update and uninstall: %v", err)
 	}

@@ -100,7 +100,8 @@ func TestPrivilegedUpgradeToOtherLayoutRefused(t *testing.T) {
 	target := srv.Addr().String()
 	dial := func() (net.Conn, error) { return net.Dial("tcp", target) }
 
-	stop := make(chan struct{})
+	stop, stopStreams := testutil.StopStreams()
+	defer stopStreams()
 	started := make(chan struct{}, 20)
 	streams := make(chan testutil.IntegrityResult, 1)
 	go func() {
@@ -117,7 +118,7 @@ func TestPrivilegedUpgradeToOtherLayoutRefused(t *testing.T) {
 	for _, c := range []struct{ mapName, field string }{{accelMapMwConns, "state"}, {accelMapMwSkStore, "obs"}} {
 		_, err := start(a.cfg, nil, otherBuild(t, c.mapName, c.field))
 		if !errors.Is(err, ErrLayoutMismatch) {
-			close(stop)
+			stopStreams()
 			t.Fatalf("start with another layout of %s: err = %v, want ErrLayoutMismatch", c.mapName, err)
 		}
 		for _, want := range []string{c.mapName + ":", c.field, "meshwarp cleanup", "Nothing was changed"} {
@@ -132,7 +133,7 @@ func TestPrivilegedUpgradeToOtherLayoutRefused(t *testing.T) {
 		}
 	}
 
-	close(stop)
+	stopStreams()
 	if err := (<-streams).Err(); err != nil {
 		t.Fatalf("streams across the refused upgrade: %v", err)
 	}

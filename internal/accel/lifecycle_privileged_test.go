@@ -44,7 +44,8 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	const keep = "--keep-small-streams"
 	agent1 := testutil.StartAgentProc(t, cgroup, pinDir, keep)
 
-	stop := make(chan struct{})
+	stop, stopStreams := testutil.StopStreams()
+	defer stopStreams()
 	started := make(chan struct{}, 100)
 	streams := make(chan testutil.IntegrityResult, 1)
 	go func() {
@@ -130,7 +131,7 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	}
 	checkNewConnections(t, dial, "after cleanup")
 
-	close(stop)
+	stopStreams()
 	res := <-streams
 	if err := res.Err(); err != nil {
 		t.Fatal(err)
@@ -170,12 +171,12 @@ func checkMetrics(t *testing.T, p *testutil.AgentProc) {
 	if m == nil {
 		t.Fatalf("agent did not log its metrics address:\n%s", p.Stderr())
 	}
-	// A starved agent (a slow VM) may close a scrape at its 5 s header
-	// timeout: ask again, a few times.
+	// A starved agent (a slow VM under 100 streams) may close a scrape at
+	// its 5 s header timeout: ask again for up to a minute.
 	var resp *http.Response
 	var err error
-	for try := 0; try < 3; try++ {
-		if resp, err = http.Get("http://" + m[1] + "/metrics"); err == nil {
+	for deadline := time.Now().Add(time.Minute); ; {
+		if resp, err = http.Get("http://" + m[1] + "/metrics"); err == nil || time.Now().After(deadline) {
 			break
 		}
 	}

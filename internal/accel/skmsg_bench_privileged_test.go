@@ -223,8 +223,23 @@ func benchConnections(b *testing.B, a *Agent, addr string) {
 		}
 		return st.RunCount, st.Runtime.Nanoseconds()
 	}
+	// The other programs a connection runs, each reported on its own.
+	others := map[string]*ebpf.Program{
+		"skmsg": a.objs.MwSkmsg, "setsockopt": a.objs.MwSetsockopt, "sock_create": a.objs.MwSockCreate,
+		"egress": a.objs.MwEgress, "egress_obs": a.objs.MwEgressObs, "ingress": a.objs.MwIngress, "ingress_obs": a.objs.MwIngressObs,
+	}
+	runtimes := func() map[string]int64 {
+		m := map[string]int64{}
+		for name, p := range others {
+			if st, err := p.Stats(); err == nil {
+				m[name] = st.Runtime.Nanoseconds()
+			}
+		}
+		return m
+	}
 	s0 := stats(b, a)
 	r0, ns0 := sockops()
+	p0 := runtimes()
 	buf := make([]byte, 100)
 	b.ResetTimer()
 	for range b.N {
@@ -243,6 +258,7 @@ func benchConnections(b *testing.B, a *Agent, addr string) {
 	b.StopTimer()
 	s1 := stats(b, a)
 	r1, ns1 := sockops()
+	p1 := runtimes()
 	ln.Close()
 	if err := <-served; err != nil {
 		b.Fatal(err)
@@ -251,6 +267,11 @@ func benchConnections(b *testing.B, a *Agent, addr string) {
 	b.ReportMetric((s1.BPFRunSeconds-s0.BPFRunSeconds)*1e9/n, "bpf-ns/conn")
 	b.ReportMetric(float64(ns1-ns0)/n, "sockops-ns/conn")
 	b.ReportMetric(float64(r1-r0)/n, "sockops-runs/conn")
+	for name, v := range p1 {
+		if d := float64(v-p0[name]) / n; d > 0 {
+			b.ReportMetric(d, name+"-ns/conn")
+		}
+	}
 }
 
 // BenchmarkPrivilegedSetsockopt: what one setsockopt (TCP_NODELAY, as

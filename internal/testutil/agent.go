@@ -127,6 +127,10 @@ func StartAgentProc(t testing.TB, cgroup, pinDir string, extra ...string) *Agent
 	return p
 }
 
+// agentStopTimeout bounds an agent's exit, an uninstall under load included,
+// with room for a slow emulated VM.
+const agentStopTimeout = 3 * time.Minute
+
 // Stderr is what the agent has logged so far.
 func (p *AgentProc) Stderr() string { return p.stderr.String() }
 
@@ -137,7 +141,14 @@ func (p *AgentProc) Stop(t testing.TB, sig syscall.Signal) int {
 	if err := p.cmd.Process.Signal(sig); err != nil {
 		t.Fatal(err)
 	}
-	<-p.exited
+	select {
+	case <-p.exited:
+	case <-time.After(agentStopTimeout):
+		// Stuck: its goroutines (Go prints them on SIGQUIT) say where.
+		p.cmd.Process.Signal(syscall.SIGQUIT)
+		<-p.exited
+		t.Fatalf("meshwarp run did not exit %v after %v; its log and goroutines:\n%s", agentStopTimeout, sig, p.stderr.String())
+	}
 	if ws, ok := p.cmd.ProcessState.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
 		return -int(ws.Signal())
 	}

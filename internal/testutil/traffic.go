@@ -76,6 +76,16 @@ type IntegrityOptions struct {
 	Started chan<- struct{}
 }
 
+// StopStreams returns a channel for IntegrityOptions.Stop and a function
+// that closes it, once however often it is called. Defer the function after
+// the echo server's Close (so that it runs first): a test that fails midway
+// must stop its streams, or Close waits on them until the binary's timeout.
+func StopStreams() (<-chan struct{}, func()) {
+	ch := make(chan struct{})
+	var once sync.Once
+	return ch, func() { once.Do(func() { close(ch) }) }
+}
+
 // IntegrityResult summarises CheckIntegrity.
 type IntegrityResult struct {
 	Conns      int
