@@ -18,6 +18,7 @@ import (
 
 	"github.com/meshwarp/meshwarp/internal/bench"
 	"github.com/meshwarp/meshwarp/internal/cli"
+	"github.com/meshwarp/meshwarp/internal/probe"
 )
 
 type benchFlags struct {
@@ -182,6 +183,13 @@ func runBench(cmd *cobra.Command, g *cli.Global, f *benchFlags) error {
 	}
 	if os.Geteuid() != 0 {
 		return cli.WithExit(cli.ExitNotReady, errors.New("bench needs root (it builds network namespaces, iptables rules and attaches BPF programs): run it with sudo"))
+	}
+	// Refuse before building the lab when the kernel cannot run the agent,
+	// and mount bpffs where nothing is mounted, as `meshwarp run` does.
+	if slices.ContainsFunc(opts.Modes, bench.ModeAgent) {
+		if err := probe.Run(probe.Options{MountBPFFS: true}).Err(); err != nil {
+			return err
+		}
 	}
 	if slices.Contains(opts.Workloads, bench.WorkloadQperf) {
 		if _, err := exec.LookPath("qperf"); err != nil {
