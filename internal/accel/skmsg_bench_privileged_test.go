@@ -225,15 +225,17 @@ func benchConnections(b *testing.B, a *Agent, addr string) {
 			}
 		}
 	}()
-	if a == nil {
-		cpu0 := processCPUNanos(b)
-		dialRequests(b, ln.Addr().String())
-		cpu1 := processCPUNanos(b)
+	finish := func() {
 		ln.Close()
 		if err := <-served; err != nil {
 			b.Fatal(err)
 		}
-		b.ReportMetric(float64(cpu1-cpu0)/float64(b.N), "cpu-ns/conn")
+	}
+	if a == nil {
+		cpu0 := processCPUNanos(b)
+		dialRequests(b, ln.Addr().String())
+		b.ReportMetric(float64(processCPUNanos(b)-cpu0)/float64(b.N), "cpu-ns/conn")
+		finish()
 		return
 	}
 	sockops := func() (uint64, int64) {
@@ -266,10 +268,7 @@ func benchConnections(b *testing.B, a *Agent, addr string) {
 	s1 := stats(b, a)
 	r1, ns1 := sockops()
 	p1 := runtimes()
-	ln.Close()
-	if err := <-served; err != nil {
-		b.Fatal(err)
-	}
+	finish()
 	n := float64(b.N)
 	b.ReportMetric(float64(cpu1-cpu0)/n, "cpu-ns/conn")
 	b.ReportMetric((s1.BPFRunSeconds-s0.BPFRunSeconds)*1e9/n, "bpf-ns/conn")
