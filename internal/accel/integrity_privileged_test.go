@@ -4,6 +4,7 @@ package accel
 
 import (
 	"net"
+	"os"
 	"testing"
 	"time"
 
@@ -14,6 +15,12 @@ import (
 // on a throwaway cgroup that this test process has joined, uninstalled on cleanup.
 func startAgent(t testing.TB, cfg Config) *Agent {
 	t.Helper()
+	// Under emulation (scripts/vmtest.sh) a first handshake across namespaces
+	// can outlast the default unpaired timeout, and a test that needs its
+	// connection paired would refuse to run; tests about the timeout set their own.
+	if cfg.UnpairedTimeout == 0 && os.Getenv("MESHWARP_VM_KERNEL") == "1" {
+		cfg.UnpairedTimeout = 200 * time.Millisecond
+	}
 	return testutil.StartAgent(t, &cfg.CgroupPath, &cfg.PinDir, func() (*Agent, error) { return Start(cfg, nil) })
 }
 
