@@ -11,3 +11,10 @@ if ! git diff --quiet -- "${generated[@]}" || [[ -n "$(git ls-files --others --e
 	exit 1
 fi
 echo "generated BPF files are up to date"
+
+# bpf/floor (scripts/bench-floor.sh) is compiled when the bench runs, not
+# committed: check here that it still compiles against the shared headers.
+floor_obj=$(mktemp /tmp/meshwarp-floor-check.XXXXXX.o)
+trap 'rm -f "$floor_obj"' EXIT
+clang -target bpf -mcpu=v3 -O2 -g -Wall -Werror -Ibpf/third_party -Ibpf/include -c bpf/floor/floor.bpf.c -o "$floor_obj"
+echo "bpf/floor compiles"
