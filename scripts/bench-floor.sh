@@ -46,19 +46,6 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-clang -target bpf -mcpu=v3 -O2 -g -Wall -Werror -Ibpf/third_party -Ibpf/include \
-	-c bpf/floor/floor.bpf.c -o "$work/floor.o"
-rm -rf "$pin"
-bpftool prog loadall "$work/floor.o" "$pin"
-
-if ! "$mw" lab status >/dev/null 2>&1; then
-	echo "bench-floor: bringing the lab up (taken down at the end)" >&2
-	"$mw" lab up >/dev/null
-	lab_mine=1
-fi
-cg=$("$mw" lab status | awk '$1 == "cgroup:" {print $2}')
-[ -d "$cg" ] || { echo "bench-floor: no lab cgroup ($cg)" >&2; exit 1; }
-
 # hook name -> "attach type and pinned program" (bpftool cgroup attach)
 declare -A hook=(
 	[sockops]="sock_ops pinned $pin/floor_sockops"
@@ -77,6 +64,25 @@ declare -A floor=(
 	[floor-create]="create"
 	[floor-skb]="egress ingress"
 )
+modes=${MESHWARP_FLOOR_MODES:-sidecar floor-hooks floor-record sidecar+observe sidecar+meshwarp}
+case " $modes " in *" sidecar "*) ;; *) echo "bench-floor: the modes must include sidecar (the base)" >&2; exit 2 ;; esac
+for m in $modes; do
+	case $m in floor-*) [ -n "${floor[$m]:-}" ] || { echo "bench-floor: unknown mode $m (floor modes: ${!floor[*]})" >&2; exit 2; } ;; esac
+done
+
+clang -target bpf -mcpu=v3 -O2 -g -Wall -Werror -Ibpf/third_party -Ibpf/include \
+	-c bpf/floor/floor.bpf.c -o "$work/floor.o"
+rm -rf "$pin"
+bpftool prog loadall "$work/floor.o" "$pin"
+
+if ! "$mw" lab status >/dev/null 2>&1; then
+	echo "bench-floor: bringing the lab up (taken down at the end)" >&2
+	"$mw" lab up >/dev/null
+	lab_mine=1
+fi
+cg=$("$mw" lab status | awk '$1 == "cgroup:" {print $2}')
+[ -d "$cg" ] || { echo "bench-floor: no lab cgroup ($cg)" >&2; exit 1; }
+
 attach() { # hook names
 	local h
 	for h in "$@"; do
@@ -87,15 +93,14 @@ attach() { # hook names
 }
 
 run() { # bench mode, output json
-	"$mw" bench --modes "$1" --workloads "$workload" --repeat 1 --duration "$duration" \
-		--bpf-stats=false --json "$2" >/dev/null 2>&1
+	if ! "$mw" bench --modes "$1" --workloads "$workload" --repeat 1 --duration "$duration" \
+		--bpf-stats=false --json "$2" >"$2.log" 2>&1; then
+		echo "bench-floor: meshwarp bench --modes $1 failed:" >&2
+		cat "$2.log" >&2
+		exit 1
+	fi
 }
 
-modes=${MESHWARP_FLOOR_MODES:-sidecar floor-hooks floor-record sidecar+observe sidecar+meshwarp}
-case " $modes " in *" sidecar "*) ;; *) echo "bench-floor: the modes must include sidecar (the base)" >&2; exit 2 ;; esac
-for m in $modes; do
-	case $m in floor-*) [ -n "${floor[$m]:-}" ] || { echo "bench-floor: unknown mode $m (floor modes: ${!floor[*]})" >&2; exit 2; } ;; esac
-done
 read -ra order <<<"$modes"
 for r in $(seq "$rounds"); do
 	# Each round starts one mode later: what a run leaves behind (TIME_WAIT
