@@ -5,7 +5,7 @@
 #        --vm only what scripts/vmtest.sh boots its kernels with)
 set -euo pipefail
 
-pkgs=(clang llvm libbpf-dev bpftool iproute2 iptables procps haproxy qperf redis-server redis-tools nginx curl)
+pkgs=(clang llvm libbpf-dev bpftool iproute2 iptables procps haproxy qperf redis-server redis-tools nginx curl python3)
 case "${1:-}" in
 # The one-node Kubernetes cluster of scripts/cluster.sh (test/cluster) adds
 # the node's runtime, CNI plugins and etcd; gcc and libc6-dev build the static
