@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 )
 
 // releaseGrace is how long the sweep waits after sock_ops is detached: a
@@ -39,7 +40,12 @@ func releaseUnpaired(conns, socks *ebpf.Map) (int, error) {
 		switch err := socks.Delete(&index); {
 		case err == nil:
 			removed++
-		case !errors.Is(err, ebpf.ErrKeyNotExist):
+		// An index without a socket: the client left already (no peer,
+		// unpaired timeout) or closed since the read. The kernel's SOCKMAP
+		// delete says EINVAL for that (net/core/sock_map.c,
+		// __sock_map_delete), not ENOENT; every index here is in range.
+		case errors.Is(err, ebpf.ErrKeyNotExist), errors.Is(err, unix.EINVAL):
+		default:
 			errs = append(errs, fmt.Errorf("release an unpaired socket: %w", err))
 		}
 	})
