@@ -353,11 +353,26 @@ func TestPrivilegedNoHarmPassthroughFIONREAD(t *testing.T) {
 func TestPrivilegedUninstallReleasesWaitingClient(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	for _, how := range []string{"uninstall", "cleanup"} {
-		t.Run(how, func(t *testing.T) { uninstallWithWaitingClient(t, how) })
+		t.Run(how, func(t *testing.T) { uninstallWithLateServer(t, how, false) })
 	}
 }
 
-func uninstallWithWaitingClient(t *testing.T, how string) {
+// The same, but the client spoke first and so left the SOCKMAP (its first
+// byte found no peer): its connection keeps its slot, unpaired, with no
+// socket at its index until it closes. The release passes over it (the
+// kernel's SOCKMAP delete of an empty index says EINVAL, not ENOENT)
+// instead of failing the uninstall, and the connection works both ways.
+func TestPrivilegedUninstallPassesLeftClient(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	for _, how := range []string{"uninstall", "cleanup"} {
+		t.Run(how, func(t *testing.T) { uninstallWithLateServer(t, how, true) })
+	}
+}
+
+// uninstallWithLateServer: a client whose accepted side is born late,
+// waiting in the SOCKMAP or, with spoke, gone from it after its request;
+// then the agent's uninstall or cleanup (how); then the exchange.
+func uninstallWithLateServer(t *testing.T, how string, spoke bool) {
 	forEachAgent(t, func(t *testing.T, a *Agent) {
 		ns := testutil.NewNetns(t, "release")
 		dropFinalHandshakeACK(t, ns, 7005)
@@ -368,8 +383,22 @@ func uninstallWithWaitingClient(t *testing.T, how string) {
 			t.Fatalf("dial: %v", err)
 		}
 		defer client.Close()
+		request := []byte("first byte decides")
+		if spoke {
+			if _, err := client.Write(request); err != nil {
+				t.Fatalf("client write: %v", err)
+			}
+		}
 		if a != nil {
-			if !inSockMap(t, a, client) {
+			waiting := 1
+			if spoke {
+				waiting = 0
+				for deadline := time.Now().Add(10 * time.Second); inSockMap(t, a, client); time.Sleep(time.Millisecond) {
+					if time.Now().After(deadline) {
+						t.Fatal("the client never left the SOCKMAP: the test would not exercise a left slot")
+					}
+				}
+			} else if !inSockMap(t, a, client) {
 				t.Fatal("the waiting client is not in the SOCKMAP: the test would not exercise the release")
 			}
 			if how == "uninstall" {
@@ -382,8 +411,8 @@ func uninstallWithWaitingClient(t *testing.T, how string) {
 				if err != nil {
 					t.Fatalf("cleanup: %v", err)
 				}
-				if res.ReleasedUnpairedSockets != 1 {
-					t.Fatalf("cleanup released %d waiting sockets, want 1", res.ReleasedUnpairedSockets)
+				if res.ReleasedUnpairedSockets != waiting {
+					t.Fatalf("cleanup released %d waiting sockets, want %d", res.ReleasedUnpairedSockets, waiting)
 				}
 			}
 		}
@@ -392,6 +421,11 @@ func uninstallWithWaitingClient(t *testing.T, how string) {
 			t.Fatalf("accept: %v", err)
 		}
 		defer server.Close()
+		if spoke {
+			if err := receive(server, request); err != nil {
+				t.Fatalf("server: %v", err)
+			}
+		}
 		response := make([]byte, 10000)
 		for i := range response {
 			response[i] = pattern(int64(i))
@@ -436,71 +470,6 @@ func TestPrivilegedPairingRacesRemoval(t *testing.T) {
 					t.Fatalf("after every connection closed: %d sockets in the SOCKMAP, gauge %d", len(left), s.AcceleratedSockets)
 				}
 				time.Sleep(10 * time.Millisecond)
-			}
-		})
-	}
-}
-
-// A client that left the SOCKMAP before its accepted side was born (its
-// first byte found no peer) keeps its connection's slot, unpaired, until
-// it closes: the release at uninstall and at cleanup passes over a slot
-// whose socket is gone (the kernel's SOCKMAP delete of an empty index says
-// EINVAL, not ENOENT) instead of failing the uninstall. The connection
-// then works both ways, as without the agent.
-func TestPrivilegedUninstallPassesLeftClient(t *testing.T) {
-	testutil.RequirePrivileged(t)
-	for _, how := range []string{"uninstall", "cleanup"} {
-		t.Run(how, func(t *testing.T) {
-			a := startAgent(t, Config{})
-			ns := testutil.NewNetns(t, "left")
-			dropFinalHandshakeACK(t, ns, 7006)
-			ln := listenIn(t, ns, "127.0.0.1:7006")
-			defer ln.Close()
-			client, err := dialBigRcvbuf(ns, ln.Addr().String())
-			if err != nil {
-				t.Fatalf("dial: %v", err)
-			}
-			defer client.Close()
-			request := []byte("first byte decides")
-			if _, err := client.Write(request); err != nil {
-				t.Fatalf("client write: %v", err)
-			}
-			for deadline := time.Now().Add(10 * time.Second); inSockMap(t, a, client); time.Sleep(time.Millisecond) {
-				if time.Now().After(deadline) {
-					t.Fatal("the client never left the SOCKMAP: the test would not exercise a left slot")
-				}
-			}
-			if how == "uninstall" {
-				if _, err := a.Uninstall(); err != nil {
-					t.Fatalf("uninstall: %v", err)
-				}
-			} else {
-				a.Close() // killed: everything stays attached and pinned
-				res, err := Cleanup(a.cfg.PinDir)
-				if err != nil {
-					t.Fatalf("cleanup: %v", err)
-				}
-				if res.ReleasedUnpairedSockets != 0 {
-					t.Fatalf("cleanup released %d waiting sockets, want 0: the client had left", res.ReleasedUnpairedSockets)
-				}
-			}
-			server, err := ln.Accept()
-			if err != nil {
-				t.Fatalf("accept: %v", err)
-			}
-			defer server.Close()
-			if err := receive(server, request); err != nil {
-				t.Fatalf("server: %v", err)
-			}
-			response := make([]byte, 10000)
-			for i := range response {
-				response[i] = pattern(int64(i))
-			}
-			if _, err := server.Write(response); err != nil {
-				t.Fatalf("server write: %v", err)
-			}
-			if err := receive(client, response); err != nil {
-				t.Fatalf("client: %v", err)
 			}
 		})
 	}
