@@ -5,9 +5,8 @@ package accel
 import (
 	"bytes"
 	"encoding/json"
-	"io"
+	"fmt"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -95,7 +94,7 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 	}
 	agent3 := testutil.StartAgentProc(t, cgroup, pinDir, "--metrics-addr", "127.0.0.1:0", keep)
 	checkNewConnections(t, dial, "after upgrade")
-	checkMetrics(t, agent3)
+	checkMetrics(t, agent3, pinDir)
 
 	// 4. SIGTERM: uninstall while the streams still run.
 	if s, err := ReadPinnedStats(pinDir); err == nil {
@@ -165,26 +164,45 @@ func TestPrivilegedLifecycleUnderLoad(t *testing.T) {
 
 // checkMetrics scrapes the agent's /metrics (address from its log) and
 // checks that the redirect counters are exported and non-zero.
-func checkMetrics(t *testing.T, p *testutil.AgentProc) {
+func checkMetrics(t *testing.T, p *testutil.AgentProc, pinDir string) {
 	t.Helper()
 	m := regexp.MustCompile(`msg="serving metrics".* addr=(\S+)`).FindStringSubmatch(p.Stderr())
 	if m == nil {
 		t.Fatalf("agent did not log its metrics address:\n%s", p.Stderr())
 	}
-	// A starved agent (a slow VM under 100 streams) may close a scrape at
-	// its 5 s header timeout: ask again for up to a minute.
-	var resp *http.Response
-	var err error
-	for deadline := time.Now().Add(time.Minute); ; {
-		if resp, err = http.Get("http://" + m[1] + "/metrics"); err == nil || time.Now().After(deadline) {
+	// The scrape runs in a process of its own (curl, in the cgroup like this
+	// one, so the connection is paired as any other): a goroutine of this
+	// process waits its turn behind the 200 of the streams, which under a
+	// VM's software emulation was long enough for the agent's 5 s header
+	// timeout to close the connection before the request was written
+	// (seen: EOF, and 10 s client timeouts firing after 35 s). A scrape
+	// that still fails shows the metrics port's sockets and the agent's status.
+	curl, err := exec.LookPath("curl")
+	if err != nil {
+		t.Fatalf("the metrics scrape needs curl (scripts/install-deps.sh installs it): %v", err)
+	}
+	var body []byte
+	var tries []string
+	for deadline := time.Now().Add(2 * time.Minute); ; {
+		start := time.Now()
+		var stderr bytes.Buffer
+		cmd := exec.Command(curl, "-sS", "--fail", "--max-time", "30", "http://"+m[1]+"/metrics")
+		cmd.Stderr = &stderr
+		if body, err = cmd.Output(); err == nil {
+			break
+		}
+		tries = append(tries, fmt.Sprintf("%v: %s after %v", err, bytes.TrimSpace(stderr.Bytes()), time.Since(start).Round(time.Millisecond)))
+		if time.Now().After(deadline) {
 			break
 		}
 	}
 	if err != nil {
-		t.Fatalf("%v\nagent log:\n%s", err, p.Stderr())
+		port := m[1][strings.LastIndex(m[1], ":")+1:]
+		ss, _ := exec.Command("ss", "-tanmie", "( sport = :"+port+" or dport = :"+port+" )").CombinedOutput()
+		status, _ := exec.Command(testutil.MeshwarpBinary(t), "status", "--pin-dir", pinDir).CombinedOutput()
+		t.Fatalf("scrape of /metrics failed:\n%s\nsockets of the metrics port:\n%s\nstatus:\n%s\nagent log:\n%s",
+			strings.Join(tries, "\n"), ss, status, p.Stderr())
 	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
 	v := regexp.MustCompile(`(?m)^meshwarp_accel_redirected_bytes_total (\S+)$`).FindSubmatch(body)
 	if v == nil || string(v[1]) == "0" {
 		t.Fatalf("meshwarp_accel_redirected_bytes_total missing or zero:\n%s", body)
