@@ -129,7 +129,8 @@ func CheckIntegrity(dial func() (net.Conn, error), opts IntegrityOptions) Integr
 			res.BytesEcho += echoed
 			if err != nil {
 				res.Errors = append(res.Errors, fmt.Errorf("conn %d: %w", i, err))
-			} else if !same {
+			}
+			if !same {
 				res.Mismatches++
 			}
 		}(i)
@@ -160,7 +161,7 @@ func (g *payloadGen) next() []byte {
 func oneConn(dial func() (net.Conn, error), opts IntegrityOptions, idx int) (sent, echoed int64, same bool, err error) {
 	c, err := dial()
 	if err != nil {
-		return 0, 0, false, fmt.Errorf("dial: %w", err)
+		return 0, 0, true, fmt.Errorf("dial: %w", err)
 	}
 	defer c.Close()
 
@@ -223,8 +224,9 @@ func oneConn(dial func() (net.Conn, error), opts IntegrityOptions, idx int) (sen
 	for m := 0; werr == nil && !finished(m); m++ {
 		b := gen.next()
 		c.SetWriteDeadline(time.Now().Add(opts.Timeout))
-		_, werr = c.Write(b)
-		sent += int64(len(b))
+		var n int
+		n, werr = c.Write(b)
+		sent += int64(n)
 		if m == 0 && opts.Started != nil {
 			opts.Started <- struct{}{}
 		}
@@ -233,11 +235,20 @@ func oneConn(dial func() (net.Conn, error), opts IntegrityOptions, idx int) (sen
 		werr = c.(interface{ CloseWrite() error }).CloseWrite()
 	}
 	r := <-readDone
+	// On an error, say also whether what did come back was right: a stall
+	// that lost or changed bytes is a different bug from one that did not.
+	echo := func() string {
+		state := "intact"
+		if !r.same {
+			state = "CORRUPTED"
+		}
+		return fmt.Sprintf("wrote %d bytes, %d echoed, echo so far %s", sent, r.n, state)
+	}
 	if werr != nil {
-		return sent, r.n, false, fmt.Errorf("write: %w", werr)
+		return sent, r.n, r.same, fmt.Errorf("write: %w (%s)", werr, echo())
 	}
 	if r.err != nil {
-		return sent, r.n, false, fmt.Errorf("read: %w", r.err)
+		return sent, r.n, r.same, fmt.Errorf("read: %w (%s)", r.err, echo())
 	}
 	return sent, r.n, r.same && r.n == sent, nil
 }
