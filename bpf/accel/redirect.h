@@ -11,6 +11,27 @@
 #ifndef MESHWARP_REDIRECT_H
 #define MESHWARP_REDIRECT_H
 
+#define MW_SOCK_RCVBUF_LOCK 2 /* sk_userlocks: SO_RCVBUF set (include/net/sock.h) */
+
+/*
+ * The budget of a receiver that fixed its buffer with SO_RCVBUF (0: it did
+ * not): half its sk_rcvbuf, about what TCP's window lets it leave unread.
+ * The redirected bytes still unread at a switch to TCP count against that
+ * buffer (bpf_tcp_ingress charges sk_rmem_alloc from 6.13), which TCP does
+ * not grow for them as it does an autotuned one (tcp_clamp_window): with
+ * more, TCP would drop the first segments after the switch (RcvPruned) and
+ * the writer would wait for its retransmission timer. Probe reads through
+ * the peer.
+ */
+static __always_inline __u32 fixed_buffer_budget(__u64 peer_sk)
+{
+	struct sock *sk = (struct sock *)peer_sk;
+
+	if (!sk || !(BPF_CORE_READ_BITFIELD_PROBED(sk, sk_userlocks) & MW_SOCK_RCVBUF_LOCK))
+		return 0;
+	return (__u32)BPF_CORE_READ(sk, sk_rcvbuf) / 2;
+}
+
 /* Decide once per socket, on its first message; cache the answer in sk_storage. */
 static __always_inline void decide(struct mw_sk_state *st, struct bpf_sock *sk)
 {
@@ -66,8 +87,10 @@ static __always_inline void decide(struct mw_sk_state *st, struct bpf_sock *sk)
 		 * this socket fills the peer's redirect queue, and it has sent
 		 * nothing yet (over_budget).
 		 */
-		st->budget = redirect_budget_bytes;
-		st->credit = redirect_budget_bytes;
+		st->budget = fixed_buffer_budget(st->peer_sk) ?: redirect_budget_bytes;
+		if (st->budget > redirect_budget_bytes)
+			st->budget = redirect_budget_bytes;
+		st->credit = st->budget;
 		st->seen_backlog = 0;
 		st->seen_sent = (__u32)st->sent;
 		return;
@@ -121,14 +144,12 @@ static __always_inline bool switch_point(struct mw_conn *c, struct mw_sk_state *
 	return own_dir_drained(c, dir_index(st->role), (struct sock *)tp, 2);
 }
 
-#define MW_SOCK_RCVBUF_LOCK 2 /* sk_userlocks: SO_RCVBUF set (include/net/sock.h) */
-
 /*
  * How far a direction's budget may grow: to redirect_budget_max_bytes, and
  * not past what TCP lets the receiver's buffer grow to (its netns's
- * tcp_rmem[2]); not at all when the receiver fixed its buffer with
- * SO_RCVBUF (TCP does not grow that one either). Probe reads through the
- * peer, only when the budget is to grow.
+ * tcp_rmem[2]), which TCP grows to hold what the switch left unread
+ * (tcp_clamp_window). A receiver with SO_RCVBUF keeps fixed_buffer_budget.
+ * Probe reads through the peer, only when the budget is to grow.
  */
 static __always_inline __u32 budget_ceiling(__u64 peer_sk)
 {
@@ -136,7 +157,7 @@ static __always_inline __u32 budget_ceiling(__u64 peer_sk)
 	struct net *net;
 	int rmem_max = 0;
 
-	if (!sk || BPF_CORE_READ_BITFIELD_PROBED(sk, sk_userlocks) & MW_SOCK_RCVBUF_LOCK)
+	if (!sk)
 		return 0;
 	net = BPF_CORE_READ(sk, __sk_common.skc_net.net);
 	if (!net || bpf_core_read(&rmem_max, sizeof(rmem_max), &net->ipv4.sysctl_tcp_rmem[2]) || rmem_max < 0)
@@ -161,7 +182,7 @@ static __always_inline __u32 budget_ceiling(__u64 peer_sk)
  */
 static __always_inline bool over_budget(struct mw_sk_state *st, __u32 size)
 {
-	__u32 backlog, budget, ceiling;
+	__u32 backlog, budget, ceiling, fixed;
 	__s64 taken;
 
 	if (size <= st->credit) {
@@ -172,7 +193,12 @@ static __always_inline bool over_budget(struct mw_sk_state *st, __u32 size)
 	budget = st->budget ? st->budget : redirect_budget_bytes;
 	/* What the reader took since the last look: that backlog, plus what was redirected since, less this one. */
 	taken = (__s64)st->seen_backlog + (__u32)((__u32)st->sent - st->seen_sent) - (__s64)backlog;
-	if (st->budget && taken >= budget / 2) {
+	/* Looked at each time: a receiver may set SO_RCVBUF after its first read. */
+	fixed = fixed_buffer_budget(st->peer_sk);
+	if (fixed) {
+		if (budget > fixed)
+			budget = fixed;
+	} else if (st->budget && taken >= budget / 2) {
 		ceiling = budget_ceiling(st->peer_sk);
 		if (ceiling > budget)
 			budget = (__u64)budget * 2 < ceiling ? budget * 2 : ceiling;

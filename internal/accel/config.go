@@ -48,8 +48,8 @@ const DefaultRedirectBudget = 1 << 20
 // RedirectBudgetGrowth: for a reader that keeps up the budget grows, as TCP
 // grows such a reader's receive buffer. It doubles each time the reader
 // took half of it between two looks at its backlog, up to this many times
-// RedirectBudget and at most the receiver's tcp_rmem[2] (not at all when the
-// receiver set SO_RCVBUF), so that a reader stalled for a moment (a
+// RedirectBudget and at most the receiver's tcp_rmem[2] (a receiver that set
+// SO_RCVBUF gets half its buffer at most), so that a reader stalled for a moment (a
 // preempted process) does not send a fast stream to TCP for good. A writer
 // whose reader kept up and then stops blocks after the grown budget and
 // TCP's buffers.

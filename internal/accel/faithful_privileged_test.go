@@ -553,26 +553,41 @@ func TestPrivilegedFaithfulReaderThatKeepsUp(t *testing.T) {
 		t.Fatalf("the redirect budget grows only to %d bytes here (tcp_rmem[2]): too little for a stall over the first budget (%d)", grown, DefaultRedirectBudget)
 	}
 	const bound = 16 << 20 // as in TestPrivilegedFaithfulSlowReader
-	for _, fixedBuffer := range []bool{false, true} {
-		t.Run(map[bool]string{false: "autotuned", true: "SO_RCVBUF"}[fixedBuffer], func(t *testing.T) {
-			readerKeepsUp(t, fixedBuffer, stall, bound)
+	for _, buffer := range []string{"autotuned", "SO_RCVBUF", "SO_RCVBUF-after-reads"} {
+		t.Run(buffer, func(t *testing.T) {
+			readerKeepsUp(t, buffer, stall, bound)
 		})
 	}
 }
 
-// readerKeepsUp: see TestPrivilegedFaithfulReaderThatKeepsUp. fixedBuffer:
-// the reader sets SO_RCVBUF, so neither TCP nor the redirect grows its
-// buffer, and the stall sends the connection to TCP (backpressure).
-func readerKeepsUp(t *testing.T, fixedBuffer bool, stall, bound int64) {
+// readerKeepsUp: see TestPrivilegedFaithfulReaderThatKeepsUp. buffer: with
+// SO_RCVBUF (set before the first byte, or after the reader kept up for a
+// while) neither TCP nor the redirect grows the reader's buffer, and the
+// stall sends the connection to TCP (backpressure).
+func readerKeepsUp(t *testing.T, buffer string, stall, bound int64) {
+	fixedBuffer := buffer != "autotuned"
 	forEachAgent(t, func(t *testing.T, a *Agent) {
-		client, server := loopbackPair(t, a)
-		if fixedBuffer {
+		// A namespace of its own, so that its TCP counters are this connection's.
+		ns := testutil.NewNetns(t, "keepsup")
+		var ln net.Listener
+		if err := ns.Do(func() (err error) { ln, err = net.Listen("tcp", "127.0.0.1:0"); return }); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ln.Close() })
+		client, server := pairedConn(t, a, ln, dialIn(ns, ln.Addr().String(), ""))
+		fixBuffer := func() {
 			if err := server.(*net.TCPConn).SetReadBuffer(256 << 10); err != nil {
 				t.Fatal(err)
 			}
 		}
+		if buffer == "SO_RCVBUF" {
+			fixBuffer()
+		}
 		d := &streamDir{w: client, r: server}
-		for range 16 {
+		for i := range 16 {
+			if i == 8 && buffer == "SO_RCVBUF-after-reads" {
+				fixBuffer()
+			}
 			if err := d.send(8, func(int) int { return 64 << 10 }); err != nil {
 				t.Fatal(err)
 			}
@@ -623,5 +638,44 @@ func readerKeepsUp(t *testing.T, fixedBuffer bool, stall, bound int64) {
 				t.Fatalf("the writer blocked without going to TCP: %v", s.PassthroughConnections)
 			}
 		}
+		// TCP's window keeps a sender within what the receiver can hold: a
+		// segment dropped for want of receive memory is one TCP would not
+		// drop, and the writer waits for its retransmission timer.
+		if drops := receiveDrops(t, ns); len(drops) > 0 {
+			t.Fatalf("the receiver dropped segments for want of memory: %v", drops)
+		}
 	})
+}
+
+// receiveDrops is the non-zero counters of ns's TCP receive-memory drops
+// (/proc/net/netstat).
+func receiveDrops(t *testing.T, ns *testutil.Netns) map[string]int64 {
+	t.Helper()
+	var raw []byte
+	if err := ns.Do(func() (err error) { raw, err = os.ReadFile("/proc/thread-self/net/netstat"); return }); err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(string(raw), "\n")
+	drops := map[string]int64{}
+	for i := 0; i+1 < len(lines); i += 2 {
+		names, values := strings.Fields(lines[i]), strings.Fields(lines[i+1])
+		if len(names) == 0 || names[0] != "TcpExt:" || len(values) != len(names) {
+			continue
+		}
+		for j, name := range names {
+			v, _ := strconv.ParseInt(values[j], 10, 64)
+			switch name {
+			case "RcvPruned", "OfoPruned", "TCPRcvQDrop", "TCPZeroWindowDrop":
+				if v != 0 {
+					drops[name] = v
+				}
+			case "PruneCalled": // TCP made room (collapsed its queue, grew its buffer): not a drop
+				t.Logf("PruneCalled %d", v)
+			}
+		}
+	}
+	if len(drops) == 0 && !strings.Contains(string(raw), "TCPRcvQDrop") {
+		t.Fatalf("no TCP receive drop counters in /proc/net/netstat:\n%s", raw)
+	}
+	return drops
 }
