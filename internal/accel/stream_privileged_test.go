@@ -685,7 +685,8 @@ func TestPrivilegedDownloadSocketsLeave(t *testing.T) {
 	testutil.RequirePrivileged(t)
 	const chunk, chunks = 64 << 10, 1024 // 64 MiB
 	forEachAgent(t, func(t *testing.T, a *Agent) {
-		client, server := loopbackPair(t, a)
+		ns := testutil.NewNetns(t, "download")
+		client, server := nsLoopbackPair(t, a, ns)
 		up, down := &streamDir{w: client, r: server}, &streamDir{w: server, r: client}
 		var before Stats
 		if a != nil {
@@ -727,6 +728,7 @@ func TestPrivilegedDownloadSocketsLeave(t *testing.T) {
 			}
 		}
 		requireFIONREADCounts(t, up, down)
+		requireNoReceiveDrops(t, ns)
 	})
 }
 
@@ -744,8 +746,9 @@ func TestPrivilegedDownloadWhileUploadingKeepsEveryByte(t *testing.T) {
 			before = stats(t, a)
 		}
 		errc := make(chan error, 4*conns)
+		ns := testutil.NewNetns(t, "updown")
 		for range conns {
-			client, server := loopbackPair(t, a)
+			client, server := nsLoopbackPair(t, a, ns)
 			up, down := &streamDir{w: client, r: server}, &streamDir{w: server, r: client}
 			// The request first, redirected: the requester's direction is "redirect".
 			if err := up.send(1, func(int) int { return 100 }); err != nil {
@@ -768,6 +771,7 @@ func TestPrivilegedDownloadWhileUploadingKeepsEveryByte(t *testing.T) {
 		if a != nil {
 			logSwitches(t, stats(t, a).Sub(before))
 		}
+		requireNoReceiveDrops(t, ns)
 	})
 }
 
