@@ -137,20 +137,10 @@ func TestPrivilegedFallbackSockhashFull(t *testing.T) {
 func serveSpliceEcho(t *testing.T) string {
 	t.Helper()
 	ln := mustListen(t, "127.0.0.1:0")
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				io.Copy(c, c) // splice(2) on Linux
-				c.(*net.TCPConn).CloseWrite()
-			}()
-		}
-	}()
-	t.Cleanup(func() { ln.Close() })
+	testutil.ServeConns(t, ln, func(c net.Conn) {
+		io.Copy(c, c) // splice(2) on Linux
+		c.(*net.TCPConn).CloseWrite()
+	})
 	return ln.Addr().String()
 }
 

@@ -11,6 +11,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"testing"
 	"time"
 )
 
@@ -50,6 +51,25 @@ func ServeEcho(ln net.Listener) *EchoServer {
 		}
 	}()
 	return s
+}
+
+// ServeConns runs handle on each connection ln accepts, each in a goroutine
+// of its own and closed when handle returns, until ln is closed (on the
+// test's cleanup).
+func ServeConns(t testing.TB, ln net.Listener, handle func(c net.Conn)) {
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				handle(c)
+			}()
+		}
+	}()
 }
 
 // Addr is the listening address.

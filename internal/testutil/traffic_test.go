@@ -20,21 +20,11 @@ func badEcho(t *testing.T, serve func(c net.Conn)) func() (net.Conn, error) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				serve(c)
-				io.Copy(io.Discard, c)
-				<-done
-			}()
-		}
-	}()
+	ServeConns(t, ln, func(c net.Conn) {
+		serve(c)
+		io.Copy(io.Discard, c)
+		<-done
+	})
 	return func() (net.Conn, error) { return net.Dial("tcp", ln.Addr().String()) }
 }
 
