@@ -295,11 +295,23 @@ static __always_inline void on_leave_check(struct bpf_sock_ops *skops, struct bp
 	if (!tp)
 		return;
 	quiet_switch(st, c, me, (struct sock *)tp);
-	/* Sending, our own sendmsg holds a reference; receiving in softirq, none does. */
+	/* Sending, a sendmsg of ours may hold a reference; receiving in softirq, none does. */
 	if (!peer_quiet(c, 1 - me) || redirect_backlog((struct sock *)tp) ||
 	    !own_dir_drained(c, me, (struct sock *)tp, receiving ? 1 : 2))
 		return;
-	c->dir[me] = MW_DIR_DRAINED;
+	/*
+	 * Receiving, one reference proves that no sendmsg of ours runs: DRAINED,
+	 * and the peer may leave at once. Sending, the second reference is not
+	 * always the sendmsg that sends this packet: tcp_bpf releases our socket
+	 * lock between a verdict to redirect and the redirect itself, and an ACK
+	 * can go out then. The peer leaving under that redirect would fail it
+	 * with EPIPE (tcp_bpf_sendmsg_redir finds no psock), or purge what it
+	 * queued. So TCP: the peer waits until our psock is gone (peer_quiet).
+	 */
+	if (receiving)
+		c->dir[me] = MW_DIR_DRAINED;
+	else
+		__sync_val_compare_and_swap(&c->dir[me], MW_DIR_REDIRECT, MW_DIR_TCP);
 	leave_and_count(c, st->conn_slot, me);
 	st->left = 1;
 	st->paired = 0;
