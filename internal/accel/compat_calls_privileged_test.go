@@ -296,7 +296,7 @@ var callRows = []compatRow{
 				n, err := r.Read(buf)
 				for i := range n {
 					if buf[i] != pattern(read+int64(i)) {
-						t.Fatalf("byte at offset %d differs", read+int64(i))
+						t.Fatal(patternMismatch(buf[i:n], read+int64(i)))
 					}
 				}
 				if read == 0 && n > 0 {

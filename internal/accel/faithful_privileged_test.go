@@ -74,6 +74,50 @@ func forEachAgent(t *testing.T, fn func(t *testing.T, a *Agent)) {
 // pattern is the byte at stream offset off.
 func pattern(off int64) byte { return byte(off*7 + off>>8) }
 
+// patternMismatch says what the bytes got at stream offset off are instead:
+// the stream from which nearest offset (bytes lost when later, duplicated
+// when earlier), so that a failure tells a lost message from a repeated
+// one. The pattern repeats every 64 KiB; got is read from the mismatch on.
+func patternMismatch(got []byte, off int64) string {
+	n := min(len(got), 64)
+	msg := fmt.Sprintf("byte at offset %d differs: lost, duplicated or reordered (%d bytes read from there: % x)", off, len(got), got[:min(n, 16)])
+	if n < 8 {
+		return msg
+	}
+	best := int64(-1 << 62)
+	for shift := int64(-(64 << 10)); shift < 64<<10; shift++ {
+		at := off + shift
+		if at < 0 || shift == 0 {
+			continue
+		}
+		match := true
+		for j := range n {
+			if got[j] != pattern(at+int64(j)) {
+				match = false
+				break
+			}
+		}
+		if match && abs64(shift) < abs64(best) {
+			best = shift
+		}
+	}
+	switch {
+	case best == -1<<62:
+		return msg + "; they match no offset within 64 KiB: not this stream's bytes"
+	case best > 0:
+		return msg + fmt.Sprintf("; they are the stream's bytes from offset %d: %d bytes before them are missing (or come later)", off+best, best)
+	default:
+		return msg + fmt.Sprintf("; they are the stream's bytes from offset %d again: %d bytes repeated", off+best, -best)
+	}
+}
+
+func abs64(v int64) int64 {
+	if v < 0 {
+		return -v
+	}
+	return v
+}
+
 // writeUntilBlocked writes the pattern from stream offset written with
 // non-blocking writes until the kernel says EAGAIN (how much a writer gets
 // rid of while nobody reads), or bound bytes; any other error is returned.
@@ -699,4 +743,27 @@ func receiveDrops(t *testing.T, ns *testutil.Netns) map[string]int64 {
 		t.Fatalf("no TCP receive drop counters in /proc/net/netstat:\n%s", raw)
 	}
 	return drops
+}
+
+// The mismatch report names where the bytes read came from.
+func TestPatternMismatchNamesTheOffset(t *testing.T) {
+	stream := func(from, n int64) []byte {
+		b := make([]byte, n)
+		for i := range b {
+			b[i] = pattern(from + int64(i))
+		}
+		return b
+	}
+	for _, c := range []struct {
+		got  []byte
+		want string
+	}{
+		{stream(2558, 40), "from offset 2558: 27 bytes before them are missing"},
+		{stream(2504, 40), "from offset 2504 again: 27 bytes repeated"},
+		{[]byte{1, 1, 1, 1, 1, 1, 1, 1, 1}, "match no offset"},
+	} {
+		if got := patternMismatch(c.got, 2531); !strings.Contains(got, c.want) {
+			t.Errorf("patternMismatch = %q, want it to say %q", got, c.want)
+		}
+	}
 }

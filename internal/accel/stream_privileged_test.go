@@ -66,7 +66,7 @@ func (d *streamDir) recv(total int64, slow, toEOF bool) error {
 		n, err := d.r.Read(buf)
 		for i := range n {
 			if buf[i] != pattern(d.read+int64(i)) {
-				return fmt.Errorf("byte at offset %d differs: lost, duplicated or reordered", d.read+int64(i))
+				return errors.New(patternMismatch(buf[i:n], d.read+int64(i)))
 			}
 		}
 		d.read += int64(n)
@@ -172,6 +172,14 @@ func streamScenario(client, server net.Conn, slow bool) error {
 		if err := s.run(); err != nil {
 			return fmt.Errorf("%s: %w", s.name, err)
 		}
+	}
+	return nil
+}
+
+// named prefixes a stream's error with the stream's name (nil stays nil).
+func named(stream string, err error) error {
+	if err != nil {
+		return fmt.Errorf("%s: %w", stream, err)
 	}
 	return nil
 }
@@ -758,13 +766,16 @@ func TestPrivilegedDownloadWhileUploadingKeepsEveryByte(t *testing.T) {
 				t.Fatal(err)
 			}
 			upTotal := up.written + sumSizes(uploads, smallSize)
-			go func() { errc <- down.send(chunks, func(int) int { return chunk }) }()
-			go func() { errc <- up.send(uploads, smallSize) }()
-			go func() { errc <- up.recv(upTotal, false, false) }()
-			go func() { errc <- down.recv(chunk*chunks, false, false) }()
+			go func() { errc <- named("download", down.send(chunks, func(int) int { return chunk })) }()
+			go func() { errc <- named("upload", up.send(uploads, smallSize)) }()
+			go func() { errc <- named("upload", up.recv(upTotal, false, false)) }()
+			go func() { errc <- named("download", down.recv(chunk*chunks, false, false)) }()
 		}
 		for range 4 * conns {
 			if err := <-errc; err != nil {
+				if a != nil {
+					logSwitches(t, stats(t, a).Sub(before)) // which switches the failing run took
+				}
 				t.Fatal(err)
 			}
 		}
