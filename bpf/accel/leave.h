@@ -319,7 +319,21 @@ done:
 	stop_leave_checks(skops, cb_flags, MW_LEAVE_CHECK_FLAGS);
 }
 
-/* Whether the socket of role index me is out of mw_sock_map (now or before). */
+/*
+ * Whether the socket of role index me is out of mw_sock_map (now or before).
+ * The timer holds no lock of the socket, whose sendmsg may decide to
+ * redirect at any moment: it once marked the direction DRAINED after it saw
+ * one reference, while a sendmsg that took its reference just after (its
+ * verdict still redirecting: another reference, a reader's, failed its
+ * switch point) redirected; the peer, finding DRAINED, left, and the kernel
+ * freed the message (sk_psock_queue_msg drops it once the psock is stopped):
+ * one message lost, its send() successful (BENCHMARKS 44). So the timer
+ * marks the direction TCP first, then looks for a running sendmsg: one that
+ * took its reference before the mark is seen here, one after finds TCP and
+ * passes (skmsg redirects only while REDIRECT). TCP, not DRAINED: the peer
+ * then waits until this socket's psock is gone (peer_quiet), which no
+ * sendmsg that still redirects allows.
+ */
 static __always_inline bool leave_by_timer(__u32 slot, struct mw_conn *c, __u32 me)
 {
 	__u64 self = me == 0 ? c->active_sk : c->passive_sk;
@@ -329,7 +343,9 @@ static __always_inline bool leave_by_timer(__u32 slot, struct mw_conn *c, __u32 
 	if (!peer_quiet(c, 1 - me) || redirect_backlog((struct sock *)self) ||
 	    !own_dir_drained(c, me, (struct sock *)self, 1))
 		return false;
-	c->dir[me & 1] = MW_DIR_DRAINED;
+	__sync_val_compare_and_swap(&c->dir[me & 1], MW_DIR_REDIRECT, MW_DIR_TCP);
+	if (!own_dir_drained(c, me, (struct sock *)self, 1))
+		return false;
 	/* Its next packet finds it out (and counted): it only marks its own state. */
 	leave_and_count(c, slot, me);
 	return true;

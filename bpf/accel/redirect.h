@@ -145,6 +145,21 @@ static __always_inline bool switch_point(struct mw_conn *c, struct mw_sk_state *
 }
 
 /*
+ * Whether this side's direction is still REDIRECT, read with a full barrier
+ * after tcp_bpf took this sendmsg's psock reference: the leave poll (no
+ * socket lock) marks the direction TCP and then reads that reference count
+ * (leave_by_timer), so one of the two sees the other. The reference is
+ * taken with a relaxed increment, which a plain load could pass on weakly
+ * ordered CPUs. Only while the connection goes to TCP (a few messages).
+ */
+static __always_inline bool still_redirecting(struct mw_conn *c, const struct mw_sk_state *st)
+{
+	__u32 me = dir_index(st->role);
+
+	return __sync_val_compare_and_swap(&c->dir[me], MW_DIR_REDIRECT, MW_DIR_REDIRECT) == MW_DIR_REDIRECT;
+}
+
+/*
  * How far a direction's budget may grow: to redirect_budget_max_bytes, and
  * not past what TCP lets the receiver's buffer grow to (its netns's
  * tcp_rmem[2]), which TCP grows to hold what the switch left unread
@@ -281,8 +296,13 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 		c = conn_of(st);
 		if (c && !c->to_tcp && small_stream(st, c, size))
 			request_tcp(c, MW_REASON_SMALL_STREAM);
-		if (c && c->to_tcp && switch_point(c, st, sk)) {
-			/* Asked by either side; until a switch point, keep redirecting. */
+		/*
+		 * Asked by either side; until a switch point, keep redirecting. A
+		 * direction that a sock_ops callback or the leave poll moved to
+		 * TCP already (leave.h) never redirects again: they judged the
+		 * peer's leave on it.
+		 */
+		if (c && c->to_tcp && (!still_redirecting(c, st) || switch_point(c, st, sk))) {
 			to_tcp(st, c, c->to_tcp_reason, MW_DIR_DRAINED);
 		} else if (over_budget(st, size) || tcp_memory_tight(sk, size, now)) {
 			/*
