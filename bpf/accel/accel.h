@@ -79,8 +79,11 @@ enum mw_reason {
  * One direction of a paired connection (mw_conn.dir[role - 1]). It moves
  * UNDECIDED -> REDIRECT (its first message) -> DRAINED or TCP, or UNDECIDED -> NEVER
  * when the connection went to TCP before this side sent: a NEVER side never
- * had a message in flight to its peer. Changed only by its own sk_msg runs,
- * except UNDECIDED -> NEVER (cmpxchg by the peer).
+ * had a message in flight to its peer. REDIRECT -> TCP by its own sk_msg (a
+ * switch), its own sock_ops callback at a packet it sends, or the leave
+ * poll; -> DRAINED only by its own sock_ops callback, under its socket lock
+ * with no psock call of it running (leave.h); UNDECIDED -> NEVER by the
+ * peer. Its sk_msg redirects only while REDIRECT (still_redirecting).
  */
 enum mw_dir {
 	MW_DIR_UNDECIDED = 0,

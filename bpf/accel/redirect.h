@@ -110,20 +110,24 @@ static __always_inline void request_tcp(struct mw_conn *c, __u32 reason)
 }
 
 /*
- * This side's direction continues on TCP (dir: DRAINED, or TCP when bytes
- * may still be unread or on their way), and with it the whole connection:
- * a peer that never redirected never will (NEVER). Order holds either way:
- * the receiver reads its redirect queue (tcp_bpf_recvmsg) before its TCP
- * queue, and a write that returned had its redirect queued.
+ * This side's direction continues on TCP, and with it the whole connection:
+ * a peer that never redirected never will (NEVER). Order holds: the
+ * receiver reads its redirect queue (tcp_bpf_recvmsg) before its TCP queue,
+ * and a write that returned had its redirect queued. TCP, never DRAINED,
+ * even at a switch point: after a partial redirect (bpf_tcp_ingress could
+ * charge only part of the message) tcp_bpf runs this program again on the
+ * rest, and redirects it whatever the program returns (msg->sk_redir stays
+ * set: sk_psock_map_verd), so this sendmsg may still redirect; TCP makes the
+ * peer wait until it is over (peer_quiet reads our psock's references).
  */
-static __always_inline void to_tcp(struct mw_sk_state *st, struct mw_conn *c, __u32 reason, __u32 dir)
+static __always_inline void to_tcp(struct mw_sk_state *st, struct mw_conn *c, __u32 reason)
 {
 	__u32 me = dir_index(st->role);
 
 	request_tcp(c, reason);
 	st->decision = MW_CONN_PASSTHROUGH;
 	st->reason = c->to_tcp_reason;
-	__sync_val_compare_and_swap(&c->dir[me], MW_DIR_REDIRECT, dir);
+	__sync_val_compare_and_swap(&c->dir[me], MW_DIR_REDIRECT, MW_DIR_TCP);
 	__sync_val_compare_and_swap(&c->dir[1 - me], MW_DIR_UNDECIDED, MW_DIR_NEVER);
 	poll_leave(st, c);
 }
@@ -303,7 +307,7 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 		 * peer's leave on it.
 		 */
 		if (c && c->to_tcp && (!still_redirecting(c, st) || switch_point(c, st, sk))) {
-			to_tcp(st, c, c->to_tcp_reason, MW_DIR_DRAINED);
+			to_tcp(st, c, c->to_tcp_reason);
 		} else if (over_budget(st, size) || tcp_memory_tight(sk, size, now)) {
 			/*
 			 * The whole connection goes to TCP, so that its sockets can
@@ -316,7 +320,7 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 			 * (stream_run_msgs 0): this direction only.
 			 */
 			if (stream_run_msgs && c) {
-				to_tcp(st, c, MW_REASON_BACKPRESSURE, MW_DIR_TCP);
+				to_tcp(st, c, MW_REASON_BACKPRESSURE);
 			} else {
 				st->decision = MW_CONN_PASSTHROUGH;
 				st->reason = MW_REASON_BACKPRESSURE;

@@ -183,9 +183,11 @@ static long tcp_mem_pressure_pages;
 static __u64 tcp_mem_read_ns;
 
 /*
- * Whether the redirect's receive charge (bpf_tcp_ingress: sk_wmem_schedule
- * on the receiver) may fail with size more bytes, where TCP would make the
- * writer wait: the writer would get ENOMEM. __sk_mem_raise_allocated grants
+ * Whether the redirect's receive charge (bpf_tcp_ingress on the receiver:
+ * sk_wmem_schedule, or __sk_rmem_schedule from 6.13 and in later stable
+ * kernels, 6.1.192 among them) may fail with size more bytes, where TCP
+ * would make the writer wait: the writer would get ENOMEM. A memory
+ * cgroup's refusal is not seen here (a limitation). __sk_mem_raise_allocated grants
  * every charge while the node's TCP memory, with the per-CPU reserves it
  * may not show yet (tcp_mem_slack_pages), is at most tcp_mem[0]; from
  * tcp_mem[1] on it may refuse; in between it may refuse while the node is
