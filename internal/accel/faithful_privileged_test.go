@@ -74,10 +74,10 @@ func forEachAgent(t *testing.T, fn func(t *testing.T, a *Agent)) {
 // pattern is the byte at stream offset off.
 func pattern(off int64) byte { return byte(off*7 + off>>8) }
 
-// patternMismatch says what the bytes got at stream offset off are instead:
-// the stream from which nearest offset (bytes lost when later, duplicated
-// when earlier), so that a failure tells a lost message from a repeated
-// one. The pattern repeats every 64 KiB; got is read from the mismatch on.
+// patternMismatch names the nearest stream offset whose bytes got (read from
+// offset off on) are: a later one means bytes lost, an earlier one bytes
+// repeated, so a failure tells a lost message from a repeated one. The
+// pattern repeats every 64 KiB.
 func patternMismatch(got []byte, off int64) string {
 	n := min(len(got), 64)
 	msg := fmt.Sprintf("byte at offset %d differs: lost, duplicated or reordered (%d bytes read from there: % x)", off, len(got), got[:min(n, 16)])
