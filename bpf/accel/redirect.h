@@ -239,6 +239,9 @@ static __always_inline bool small_stream(struct mw_sk_state *st, struct mw_conn 
 {
 	__u32 threshold;
 
+	/* Turned off (--keep-small-streams): no write to the connection's line, which both sides read per message. */
+	if (!stream_run_msgs)
+		return false;
 	if (c->last_sender != st->role) {
 		c->last_sender = st->role;
 		st->run_msgs = 0;
@@ -246,7 +249,7 @@ static __always_inline bool small_stream(struct mw_sk_state *st, struct mw_conn 
 	}
 	st->run_msgs++;
 	st->run_bytes += size;
-	if (!stream_run_msgs || st->run_msgs < stream_run_msgs)
+	if (st->run_msgs < stream_run_msgs)
 		return false;
 	threshold = c->same_netns ? stream_small_bytes_local : stream_small_bytes_remote;
 	if (st->run_bytes < (__u64)stream_run_msgs * threshold)
