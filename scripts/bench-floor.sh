@@ -10,9 +10,15 @@
 #
 #   scripts/bench-floor.sh [ROUNDS] [DURATION] [WORKLOAD]   (default 5 10s http-close)
 #
-# MESHWARP_FLOOR_MODES picks the modes (default: sidecar floor-hooks
+# MESHWARP_FLOOR_BASE is the bench mode the floor programs run under and the
+# ratios' base (default sidecar; direct: app to app, no proxies, where no hop
+# is NATed). MESHWARP_FLOOR_MODES picks the modes (default: sidecar floor-hooks
 # floor-record sidecar+observe sidecar+meshwarp); one hook at a time:
 # floor-sockops, floor-setsockopt, floor-create, floor-skb (both ways).
+# floor-bypass: the textbook design of the peers the issue compares us with
+# (every established socket in a SOCKHASH by its 4-tuple, sk_msg redirects
+# to the mirrored tuple; bpf/floor/floor.bpf.c), loaded afresh each round
+# and freed after it, so that no socket stays in its map into the next run.
 #
 # Needs root, clang, bpftool (scripts/install-deps.sh) and a built meshwarp
 # (go build -o bin/meshwarp ./cmd/meshwarp). Uses the lab that is up, or
@@ -39,8 +45,14 @@ detach() {
 	done
 	attached=()
 }
+bypass_down() {
+	bpftool cgroup detach "$cg" sock_ops pinned "$pin-bypass/floor_bypass_sockops" 2>/dev/null || true
+	# Unpinned, the map goes with its last reference, and its sockets leave it.
+	rm -rf "$pin-bypass"
+}
 cleanup() {
 	detach
+	if [ -n "${cg:-}" ]; then bypass_down; fi
 	rm -rf "$pin" "$work"
 	if [ "$lab_mine" = 1 ]; then "$mw" lab down >/dev/null 2>&1 || true; fi
 }
@@ -64,15 +76,16 @@ declare -A floor=(
 	[floor-create]="create"
 	[floor-skb]="egress ingress"
 )
-modes=${MESHWARP_FLOOR_MODES:-sidecar floor-hooks floor-record sidecar+observe sidecar+meshwarp}
-case " $modes " in *" sidecar "*) ;; *) echo "bench-floor: the modes must include sidecar (the base)" >&2; exit 2 ;; esac
+base=${MESHWARP_FLOOR_BASE:-sidecar}
+modes=${MESHWARP_FLOOR_MODES:-$base floor-hooks floor-record $base+observe $base+meshwarp}
+case " $modes " in *" $base "*) ;; *) echo "bench-floor: the modes must include $base (the base, MESHWARP_FLOOR_BASE)" >&2; exit 2 ;; esac
 for m in $modes; do
-	case $m in floor-*) [ -n "${floor[$m]:-}" ] || { echo "bench-floor: unknown mode $m (floor modes: ${!floor[*]})" >&2; exit 2; } ;; esac
+	case $m in floor-bypass) ;; floor-*) [ -n "${floor[$m]:-}" ] || { echo "bench-floor: unknown mode $m (floor modes: ${!floor[*]})" >&2; exit 2; } ;; esac
 done
 
 clang -target bpf -mcpu=v3 -O2 -g -Wall -Werror -Ibpf/third_party -Ibpf/include \
 	-c bpf/floor/floor.bpf.c -o "$work/floor.o"
-rm -rf "$pin"
+rm -rf "$pin" "$pin-bypass"
 bpftool prog loadall "$work/floor.o" "$pin"
 
 if ! "$mw" lab status >/dev/null 2>&1; then
@@ -108,16 +121,23 @@ for r in $(seq "$rounds"); do
 	for i in "${!order[@]}"; do
 		m=${order[$(((i + r - 1) % ${#order[@]}))]}
 		case $m in
-		floor-*) attach ${floor[$m]}; run sidecar "$work/$m-$r.json"; detach ;;
+		floor-bypass)
+			bpftool prog loadall "$work/floor.o" "$pin-bypass" pinmaps "$pin-bypass/maps"
+			bpftool prog attach pinned "$pin-bypass/floor_bypass_msg" msg_verdict pinned "$pin-bypass/maps/floor_bypass_map"
+			bpftool cgroup attach "$cg" sock_ops pinned "$pin-bypass/floor_bypass_sockops"
+			run "$base" "$work/$m-$r.json"
+			bypass_down
+			;;
+		floor-*) attach ${floor[$m]}; run "$base" "$work/$m-$r.json"; detach ;;
 		*) run "$m" "$work/$m-$r.json" ;;
 		esac
 	done
 	echo "bench-floor: round $r/$rounds done" >&2
 done
 
-python3 - "$work" "$rounds" "$workload" $modes <<'EOF'
+python3 - "$work" "$rounds" "$workload" "$base" $modes <<'EOF'
 import json, statistics, sys
-work, rounds, workload, modes = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+work, rounds, workload, base, modes = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
 def result(m, r):
     d = json.load(open(f"{work}/{m}-{r}.json"))
     x = next(x for x in d["results"] if x["workload"] == workload)
@@ -125,11 +145,11 @@ def result(m, r):
 res = {m: [result(m, r) for r in range(1, rounds + 1)] for m in modes}
 med = statistics.median
 print(f"{workload}, {rounds} rounds, modes interleaved: qps per round, their median, the median of")
-print("the per-round ratios to sidecar; the lab cgroup's CPU per request (median) and its excess over sidecar's")
-base_cpu = med(c for _, c in res["sidecar"]) * 1000
+print(f"the per-round ratios to {base}; the lab cgroup's CPU per request (median) and its excess over {base}'s")
+base_cpu = med(c for _, c in res[base]) * 1000
 for m in modes:
     q = [v for v, _ in res[m]]
     cpu = med(c for _, c in res[m]) * 1000
-    ratio = med(a / b for a, (b, _) in zip(q, res["sidecar"]))
+    ratio = med(a / b for a, (b, _) in zip(q, res[base]))
     print(f"  {m:17} {' '.join(f'{v:5.0f}' for v in q)}  median {med(q):5.0f}  x{ratio:.2f}  cpu {cpu:4.0f} us/req {cpu - base_cpu:+4.0f}")
 EOF

@@ -11,9 +11,20 @@
  *                     a socket record of the agent's size (struct mw_sock),
  *                     cloned to accepted sockets, as mw_sock_create does
  *   floor_egress, floor_ingress  cgroup_skb
+ *   floor_bypass_sockops, floor_bypass_msg  the textbook design of the
+ *                     peers that the issue names as the bar: every
+ *                     established IPv4 connection's socket (an IPv6
+ *                     socket's too, with a v4-mapped peer, as Go's
+ *                     servers accept) joins a SOCKHASH by its 4-tuple, and sk_msg redirects to the socket whose
+ *                     tuple mirrors the sender's. No pairing, no switch to
+ *                     TCP, no observation: what such a design costs a
+ *                     connection and a message, not a correct accelerator
+ *                     (a NATed hop, as the sidecar capture makes, never
+ *                     mirrors, and its sockets stay in the map anyway).
  */
 #include "vmlinux.h"
 #include "bpf_helpers.h"
+#include "bpf_endian.h"
 #include "../accel/accel.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
@@ -67,4 +78,54 @@ SEC("cgroup_skb/ingress")
 int floor_ingress(struct __sk_buff *skb)
 {
 	return 1;
+}
+
+/* A socket's IPv4 4-tuple, ports in host order: the peer's key is the sender's mirrored. */
+struct floor_tuple {
+	__u32 local_ip4;
+	__u32 remote_ip4;
+	__u32 local_port;
+	__u32 remote_port;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKHASH);
+	__uint(max_entries, 65536);
+	__type(key, struct floor_tuple);
+	__type(value, __u64);
+} floor_bypass_map SEC(".maps");
+
+SEC("sockops")
+int floor_bypass_sockops(struct bpf_sock_ops *skops)
+{
+	struct floor_tuple t;
+
+	if (skops->op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB && skops->op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB)
+		return 1;
+	/* The IPv4 addresses, also of a dual-stack socket's IPv4 connection (0 on IPv6 ones). */
+	if (!skops->local_ip4 || !skops->remote_ip4)
+		return 1;
+	/* local_port: host order; remote_port: network order in the upper 16 bits. */
+	t.local_ip4 = skops->local_ip4;
+	t.remote_ip4 = skops->remote_ip4;
+	t.local_port = skops->local_port;
+	t.remote_port = bpf_ntohl(skops->remote_port) & 0xffff;
+	bpf_sock_hash_update(skops, &floor_bypass_map, &t, BPF_ANY);
+	return 1;
+}
+
+SEC("sk_msg")
+int floor_bypass_msg(struct sk_msg_md *msg)
+{
+	struct floor_tuple peer;
+
+	if (!msg->local_ip4 || !msg->remote_ip4)
+		return SK_PASS;
+	peer.local_ip4 = msg->remote_ip4;
+	peer.remote_ip4 = msg->local_ip4;
+	peer.local_port = bpf_ntohl(msg->remote_port) & 0xffff;
+	peer.remote_port = msg->local_port;
+	/* No mirrored socket: the message goes by TCP (sk_redir stays unset). */
+	bpf_msg_redirect_hash(msg, &floor_bypass_map, &peer, BPF_F_INGRESS);
+	return SK_PASS;
 }
