@@ -15,12 +15,14 @@
  *                     peers that the issue names as the bar: every
  *                     established IPv4 connection's socket (an IPv6
  *                     socket's too, with a v4-mapped peer, as Go's
- *                     servers accept) joins a SOCKHASH by its 4-tuple, and sk_msg redirects to the socket whose
- *                     tuple mirrors the sender's. No pairing, no switch to
- *                     TCP, no observation: what such a design costs a
- *                     connection and a message, not a correct accelerator
- *                     (a NATed hop, as the sidecar capture makes, never
- *                     mirrors, and its sockets stay in the map anyway).
+ *                     servers accept) joins a SOCKHASH by its 4-tuple,
+ *                     and sk_msg redirects to the socket whose tuple
+ *                     mirrors the sender's. No pairing, no switch to TCP,
+ *                     no FIN order, no observation: what such a design
+ *                     costs a connection and a message, not a correct
+ *                     accelerator (a NATed hop, as the sidecar capture
+ *                     makes, never mirrors, and its sockets stay in the
+ *                     map anyway). scripts/bench-floor.sh, floor-bypass.
  */
 #include "vmlinux.h"
 #include "bpf_helpers.h"
