@@ -12,8 +12,8 @@
 #
 # MESHWARP_FLOOR_BASE is the bench mode the floor programs run under and the
 # ratios' base (default sidecar; direct: app to app, no proxies, where no hop
-# is NATed). MESHWARP_FLOOR_MODES picks the modes (default: sidecar floor-hooks
-# floor-record sidecar+observe sidecar+meshwarp); one hook at a time:
+# is NATed). MESHWARP_FLOOR_MODES picks the modes (default: BASE floor-hooks
+# floor-record BASE+observe BASE+meshwarp); one hook at a time:
 # floor-sockops, floor-setsockopt, floor-create, floor-skb (both ways).
 # floor-bypass: the textbook design of the peers the issue compares us with
 # (every established socket in a SOCKHASH by its 4-tuple, sk_msg redirects
