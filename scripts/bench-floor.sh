@@ -80,7 +80,7 @@ base=${MESHWARP_FLOOR_BASE:-sidecar}
 modes=${MESHWARP_FLOOR_MODES:-$base floor-hooks floor-record $base+observe $base+meshwarp}
 case " $modes " in *" $base "*) ;; *) echo "bench-floor: the modes must include $base (the base, MESHWARP_FLOOR_BASE)" >&2; exit 2 ;; esac
 for m in $modes; do
-	case $m in floor-bypass) ;; floor-*) [ -n "${floor[$m]:-}" ] || { echo "bench-floor: unknown mode $m (floor modes: ${!floor[*]})" >&2; exit 2; } ;; esac
+	case $m in floor-bypass) ;; floor-*) [ -n "${floor[$m]:-}" ] || { echo "bench-floor: unknown mode $m (floor modes: ${!floor[*]} floor-bypass)" >&2; exit 2; } ;; esac
 done
 
 clang -target bpf -mcpu=v3 -O2 -g -Wall -Werror -Ibpf/third_party -Ibpf/include \
