@@ -15,7 +15,8 @@
  * Maps owned (all pinned by name so a restarted agent adopts them):
  *   mw_sock_map    SOCKHASH  mw_sock_key -> socket
  *   mw_conns        HASH      mw_conn_id  -> mw_conn (the pairing decision)
- *   mw_connecting, mw_unhinted                LRU_HASH   who may have a local peer
+ *   mw_syn_notes    ARRAY                  who may have a local peer (hints.h)
+ *   mw_unhinted     LRU_HASH               connections that found no note
  *   mw_sk_store     SK_STORAGE (cloned)    mw_sock per socket (program, pairing, observation)
  *   mw_stats        PERCPU_ARRAY           mw_counters
  *   mw_policy, mw_port_policy, mw_cidr_incl, mw_cidr_excl   policy
@@ -91,25 +92,35 @@ int mw_sockops(struct bpf_sock_ops *skops)
 	__u32 cb_flags = skops->bpf_sock_ops_cb_flags;
 	__u32 skb_len = skops->skb_len; /* the segment that made the callback; 0: none (TCP_REPAIR) */
 	struct bpf_sock *sk = skops->sk;
+	struct tcp_sock *tp;
+	struct mw_sock *rec;
+	__u64 now;
 
 	if (!sk)
 		return 1;
 	/* Observation first: it may add STATE_CB to the flags the rest sets. */
 	switch (op) {
 	case BPF_SOCK_OPS_TCP_CONNECT_CB:
-		cb_flags = obs_start(skops, sk, true, cb_flags, snd_nxt, rcv_nxt, skb_len);
+		/* One socket pointer and one clock read per callback, handed down. */
+		tp = bpf_skc_to_tcp_sock(sk);
+		now = bpf_ktime_get_ns();
+		cb_flags = obs_start(skops, sk, tp, true, cb_flags, snd_nxt, rcv_nxt, skb_len, now);
 		if (accelerate)
-			on_connect(skops, sk, cb_flags);
+			on_connect(skops, tp, cb_flags, now);
 		break;
 	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB:
-		obs_established(sk, snd_nxt, rcv_nxt, skb_len);
+		tp = bpf_skc_to_tcp_sock(sk);
+		now = bpf_ktime_get_ns();
+		obs_established(sk, tp, snd_nxt, rcv_nxt, skb_len, now);
 		if (accelerate)
-			on_active_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
+			on_active_established(skops, sk, tp, snd_nxt, rcv_nxt, cb_flags, now);
 		break;
 	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
-		cb_flags = obs_start(skops, sk, false, cb_flags, snd_nxt, rcv_nxt, skb_len);
+		tp = bpf_skc_to_tcp_sock(sk);
+		now = bpf_ktime_get_ns();
+		cb_flags = obs_start(skops, sk, tp, false, cb_flags, snd_nxt, rcv_nxt, skb_len, now);
 		if (accelerate)
-			on_passive_established(skops, sk, snd_nxt, rcv_nxt, cb_flags);
+			on_passive_established(skops, sk, tp, snd_nxt, rcv_nxt, cb_flags, now);
 		break;
 	case BPF_SOCK_OPS_HDR_OPT_LEN_CB:
 		on_leave_check(skops, sk, cb_flags, false);
@@ -122,14 +133,17 @@ int mw_sockops(struct bpf_sock_ops *skops)
 			closing_stops_leave_checks(skops, new_state, cb_flags);
 			break;
 		}
-		if (old_state == BPF_TCP_SYN_SENT) {
-			if (accelerate)
-				on_connect_failed(skops, snd_una);
-		} else {
-			on_close(sk);
-		}
+		if (old_state == BPF_TCP_SYN_SENT && accelerate)
+			on_connect_failed(skops, snd_una);
+		/* The socket's record, looked up once for the pairing's end and the observation's. */
+		rec = sock_rec(sk, false);
+		if (!rec)
+			break;
+		barrier_var(rec); /* the offsets below stay behind the NULL check (see obs_state) */
+		if (old_state != BPF_TCP_SYN_SENT)
+			on_close(sk, &rec->pair);
 		if (observe)
-			obs_end(sk, old_state);
+			obs_end(&rec->obs, old_state);
 		break;
 	}
 	return 1;

@@ -114,21 +114,19 @@ struct mw_endpoint {
 };
 
 /*
- * mw_connecting key: a connecting socket's source address (IPv4 as
- * v4-mapped IPv6) and its initial sequence number plus one (the first byte's
- * sequence number: the id's active_isn1). NAT rewrites ports and
- * destinations, never the sequence number, and a pairable connection keeps
- * its source address.
+ * A note of mw_syn_notes: a socket of the cgroup connects with this SYN,
+ * named by its source address (IPv4 as v4-mapped IPv6) and its initial
+ * sequence number plus one (the first byte's sequence number: the id's
+ * active_isn1). NAT rewrites ports and destinations, never the sequence
+ * number, and a pairable connection keeps its source address. Times in
+ * mw_now_us units (pairing.h). 32 bytes: two notes to a cache line.
  */
-struct mw_syn_id {
+struct mw_syn_note {
 	__u32 addr[4];
-	__u32 isn1;
-};
-
-/* mw_connecting value: a socket of the cgroup connects with this SYN. */
-struct mw_connect {
-	__u64 connect_ns;  /* when it sent its SYN (TCP_CONNECT_CB) */
-	__u64 received_ns; /* when a listener of the cgroup received this SYN */
+	__u32 isn1;        /* 0: the slot is free */
+	__u32 connect_us;  /* when it sent its SYN (TCP_CONNECT_CB) */
+	__u32 received_us; /* when a listener of the cgroup received this SYN */
+	__u32 received;    /* 1: received_us is set */
 };
 
 /*

@@ -403,12 +403,8 @@ static __always_inline bool closed_in_sock_map(struct bpf_sock *sk)
  * to or from the peer after that), so it counts the peer out too if it is
  * still counted. A peer closing after it has nothing left to count.
  */
-static __always_inline void on_close(struct bpf_sock *sk)
+static __always_inline void on_close(struct bpf_sock *sk, struct mw_sk_state *st)
 {
-	struct mw_sk_state *st = pair_state(sk, false);
-
-	if (!st)
-		return;
 	if (st->holds == MW_HOLD_ACTIVE) {
 		/* Its own hold keeps the slot this connection's (published until now). */
 		struct mw_conn *c = conn_held(st->conn_slot, &st->conn);
@@ -430,7 +426,7 @@ static __always_inline void on_close(struct bpf_sock *sk)
 		}
 		if (c) {
 			if (c->state)
-				obs_conn_end(sk, c, MW_ROLE_ACTIVE);
+				obs_conn_end(obs_of(st), c, MW_ROLE_ACTIVE);
 			conn_end(c, closed_in_sock_map(sk), mw_now_us());
 		}
 		st->holds = 0;
@@ -441,9 +437,9 @@ static __always_inline void on_close(struct bpf_sock *sk)
 		if (c) {
 			if (c->state == MW_CONN_PAIRED && claim_count(c, 1))
 				count_closed();
-			obs_conn_end(sk, c, MW_ROLE_PASSIVE);
+			obs_conn_end(obs_of(st), c, MW_ROLE_PASSIVE);
 		} else if (st->paired) {
-			obs_passive_end(sk);
+			obs_passive_end(obs_of(st));
 		}
 		if (st->holds == MW_HOLD_PASSIVE) {
 			c = conn_held(st->conn_slot, &st->conn);

@@ -292,9 +292,14 @@ const volatile __u64 leave_clock_owner;
  * Step 0 notes (hints.h), not keyed by netns: the active side may be in
  * another namespace than its listener. They only let a socket join
  * mw_sock_map; the pairing itself is proven by both sequence numbers
- * (mw_conns), and the timer bounds a wrong note.
+ * (mw_conns), and the unpaired timeout bounds a wrong note. An array, not a
+ * hash: a note is two plain stores into the pair of slots its SYN hashes to
+ * (the LRU hash's update took about 800 ns of a connection's sock_ops time,
+ * docs/BENCHMARKS.md section 46), and a note never taken is overwritten,
+ * never evicted.
  */
-MW_PINNED_MAP(BPF_MAP_TYPE_LRU_HASH, MW_DEFAULT_CAPACITY, struct mw_syn_id, struct mw_connect) mw_connecting SEC(".maps");
+#define MW_SYN_NOTES 8192 /* a power of two */
+MW_PINNED_MAP(BPF_MAP_TYPE_ARRAY, MW_SYN_NOTES, __u32, struct mw_syn_note) mw_syn_notes SEC(".maps");
 
 /*
  * Connections whose connecting socket found no note (no_local_peer), with

@@ -289,14 +289,18 @@ static __always_inline bool flush_due(const struct mw_obs_sock *o, __u64 now)
 	return (__s64)(now - o->flushed_ns) > (__s64)MW_OBS_FLUSH_NS;
 }
 
-/* The socket's network namespace as /proc/PID/ns/net names it (its inode). */
+/*
+ * The socket's network namespace as /proc/PID/ns/net names it (its inode):
+ * BTF loads through the socket, no probe-read calls (0 without tp).
+ */
+static __always_inline __u64 netns_of(struct tcp_sock *tp)
+{
+	return tp ? tp->inet_conn.icsk_inet.sk.__sk_common.skc_net.net->ns.inum : 0;
+}
+
 static __always_inline __u64 netns_inode(struct bpf_sock *sk)
 {
-	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
-
-	if (!tp)
-		return 0;
-	return BPF_CORE_READ(tp, inet_conn.icsk_inet.sk.__sk_common.skc_net.net, ns.inum);
+	return netns_of(bpf_skc_to_tcp_sock(sk));
 }
 
 /*
@@ -307,18 +311,13 @@ static __always_inline __u64 netns_inode(struct bpf_sock *sk)
  * without one, mid-stream, and an MPTCP subflow carries a part of its
  * connection's stream.
  */
-static __always_inline void obs_stream_starts(struct bpf_sock *sk, struct mw_obs_sock *o, __u32 snd_nxt,
+static __always_inline void obs_stream_starts(struct tcp_sock *tp, struct mw_obs_sock *o, __u32 snd_nxt,
 					      __u32 rcv_nxt, __u32 skb_len)
 {
-	struct tcp_sock *tp;
-
-	if (!skb_len)
+	if (!skb_len || !tp)
 		return;
-	if (bpf_core_field_exists(((struct tcp_sock *)0)->is_mptcp)) {
-		tp = bpf_skc_to_tcp_sock(sk);
-		if (!tp || tp->is_mptcp)
-			return;
-	}
+	if (bpf_core_field_exists(((struct tcp_sock *)0)->is_mptcp) && tp->is_mptcp)
+		return;
 	if (!(o->seq_set & MW_SEQ_SND)) {
 		o->snd_next = snd_nxt;
 		o->seq_set |= MW_SEQ_SND | MW_SEQ_SND_START;
@@ -333,8 +332,8 @@ static __always_inline void obs_stream_starts(struct bpf_sock *sk, struct mw_obs
  * sock_ops: a socket connects (active) or is established. Returns the
  * socket's callback flags with STATE_CB (its end is observed).
  */
-static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_sock *sk, bool active, __u32 cb_flags,
-				       __u32 snd_nxt, __u32 rcv_nxt, __u32 skb_len)
+static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_sock *sk, struct tcp_sock *tp, bool active,
+				       __u32 cb_flags, __u32 snd_nxt, __u32 rcv_nxt, __u32 skb_len, __u64 now)
 {
 	struct mw_obs_sock *o;
 	struct mw_tuple t = {};
@@ -347,13 +346,13 @@ static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_so
 	sockops_tuple(skops, &t);
 	__builtin_memset(o, 0, sizeof(*o));
 	o->server = active ? t.remote : t.local;
-	o->netns = netns_inode(sk);
-	o->point = obs_point(socket_uid(sk), &t, active);
-	o->start_ns = bpf_ktime_get_ns();
-	o->flushed_ns = o->start_ns;
+	o->netns = netns_of(tp);
+	o->point = obs_point(socket_uid(tp), &t, active);
+	o->start_ns = now;
+	o->flushed_ns = now;
 	o->started = 1;
 	if (!active)
-		obs_stream_starts(sk, o, snd_nxt, rcv_nxt, skb_len); /* the active side's at its establishment */
+		obs_stream_starts(tp, o, snd_nxt, rcv_nxt, skb_len); /* the active side's at its establishment */
 	if (!(cb_flags & BPF_SOCK_OPS_STATE_CB_FLAG)) {
 		cb_flags |= BPF_SOCK_OPS_STATE_CB_FLAG;
 		bpf_sock_ops_cb_flags_set(skops, cb_flags);
@@ -362,7 +361,8 @@ static __always_inline __u32 obs_start(struct bpf_sock_ops *skops, struct bpf_so
 }
 
 /* sock_ops: an established connection's socket is now established (not just connecting). */
-static __always_inline void obs_established(struct bpf_sock *sk, __u32 snd_nxt, __u32 rcv_nxt, __u32 skb_len)
+static __always_inline void obs_established(struct bpf_sock *sk, struct tcp_sock *tp, __u32 snd_nxt, __u32 rcv_nxt,
+					    __u32 skb_len, __u64 now)
 {
 	struct mw_obs_sock *o;
 
@@ -371,19 +371,18 @@ static __always_inline void obs_established(struct bpf_sock *sk, __u32 snd_nxt, 
 	o = obs_state(sk, false);
 	if (!o)
 		return;
-	o->start_ns = o->flushed_ns = bpf_ktime_get_ns();
+	o->start_ns = o->flushed_ns = now;
 	if (o->started)
-		obs_stream_starts(sk, o, snd_nxt, rcv_nxt, skb_len);
+		obs_stream_starts(tp, o, snd_nxt, rcv_nxt, skb_len);
 }
 
 /* sock_ops STATE_CB to CLOSE: how the connection ended, and its lifetime. */
-static __always_inline void obs_end(struct bpf_sock *sk, __u32 old_state)
+static __always_inline void obs_end(struct mw_obs_sock *o, __u32 old_state)
 {
-	struct mw_obs_sock *o = obs_state(sk, false);
 	struct mw_flow_key k = {};
 	__u64 now;
 
-	if (!o || !o->start_ns)
+	if (!o->start_ns)
 		return;
 	now = bpf_ktime_get_ns();
 	/*
@@ -589,14 +588,9 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
  * (which gave it its last bytes): its end is an accelerated one even if it
  * never sent (sk_msg never saw it).
  */
-static __always_inline void obs_passive_end(struct bpf_sock *sk)
+static __always_inline void obs_passive_end(struct mw_obs_sock *o)
 {
-	struct mw_obs_sock *o;
-
-	if (!observe)
-		return;
-	o = obs_state(sk, false);
-	if (o)
+	if (observe)
 		o->accelerated = 1;
 }
 
@@ -607,22 +601,18 @@ static __always_inline void obs_passive_end(struct bpf_sock *sk)
  * bytes (in the passive side's open flow: the passive end records its
  * outcome when it closes).
  */
-static __always_inline void obs_conn_end(struct bpf_sock *sk, struct mw_conn *c, __u32 role)
+static __always_inline void obs_conn_end(struct mw_obs_sock *o, struct mw_conn *c, __u32 role)
 {
 	struct mw_flow_key k = {};
-	struct mw_obs_sock *o;
 	__u32 me = role == MW_ROLE_ACTIVE ? 0 : 1;
 	__u64 b;
 
 	if (!observe)
 		return;
-	o = obs_state(sk, false);
-	if (o) {
-		b = obs_claim_peer_bytes(c, me);
-		o->bytes += b;
-		if (b)
-			o->accelerated = 1; /* a one-way receiver: sk_msg never saw it send */
-	}
+	b = obs_claim_peer_bytes(c, me);
+	o->bytes += b;
+	if (b)
+		o->accelerated = 1; /* a one-way receiver: sk_msg never saw it send */
 	if (me != 0 || !(c->obs.observed & 2))
 		return;
 	b = obs_claim_peer_bytes(c, 1);

@@ -8,7 +8,7 @@
  *
  * How a connection is paired (once, never changed):
  *   0. a socket of the cgroup connects (TCP_CONNECT_CB): note its SYN by
- *      source address and sequence number in mw_connecting; a listener of
+ *      source address and sequence number in mw_syn_notes; a listener of
  *      the cgroup receives a SYN (mw_ingress): mark its note received. No
  *      note received means no local peer in the cgroup (a remote host, a
  *      server outside the cgroup): such sockets never join mw_sock_map.
@@ -70,9 +70,14 @@ static __always_inline __u32 mw_now_us(void)
 }
 
 /* Whether a PENDING connection waited longer than unpaired_timeout_ns for its peer. */
+static __always_inline bool pending_expired_at(const struct mw_conn *c, __u32 now_us)
+{
+	return now_us - c->pending_us > (__u32)(unpaired_timeout_ns >> 10);
+}
+
 static __always_inline bool pending_expired(const struct mw_conn *c)
 {
-	return mw_now_us() - c->pending_us > (__u32)(unpaired_timeout_ns >> 10);
+	return pending_expired_at(c, mw_now_us());
 }
 
 /*
@@ -148,9 +153,8 @@ static __always_inline bool policy_excludes(const struct mw_endpoint *ep)
  * honour (net/ipv4/tcp_bpf.c): SO_RCVLOWAT > 1, SO_PEEK_OFF, TCP_INQ,
  * receive timestamps and SO_TIMESTAMPING, SO_ZEROCOPY.
  */
-static __always_inline __u32 socket_unfit(struct bpf_sock *sk)
+static __always_inline __u32 socket_unfit(struct tcp_sock *tp)
 {
-	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
 	struct sock *s;
 	__u64 flags;
 
@@ -184,10 +188,8 @@ static __always_inline __u32 socket_unfit(struct bpf_sock *sk)
  * those bytes are on the TCP path, and redirected later bytes could overtake
  * them in the receiver (tcp_bpf_recvmsg reads the redirect queue first).
  */
-static __always_inline bool wrote_early(struct bpf_sock *sk, __u32 snd_nxt)
+static __always_inline bool wrote_early(struct tcp_sock *tp, __u32 snd_nxt)
 {
-	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
-
 	if (!tp)
 		return true;
 	return tp->write_seq != snd_nxt || tp->bytes_sent != 0;
@@ -245,7 +247,8 @@ static __always_inline void count_join_error(__u32 reason)
 }
 
 static __always_inline void on_active_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
-						  __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags)
+						  struct tcp_sock *tp, __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags,
+						  __u64 now)
 {
 	struct mw_tuple t = {};
 	struct mw_sk_state *st;
@@ -257,9 +260,9 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 
 	sockops_tuple(skops, &t);
 	/* Consume the connect's notes first, whatever happens next. */
-	hinted = take_syn_hint(&t.local, snd_nxt);
-	reason = socket_unfit(sk);
-	if (!reason && wrote_early(sk, snd_nxt))
+	hinted = take_syn_hint(&t.local, snd_nxt, now);
+	reason = socket_unfit(tp);
+	if (!reason && wrote_early(tp, snd_nxt))
 		reason = MW_REASON_EARLY_DATA;
 	if (reason) {
 		keep_off(reason);
@@ -297,7 +300,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	 * slot it may take is in use. Neither may be paired: a passive socket
 	 * could not tell which active socket it belongs to.
 	 */
-	now_us = mw_now_us();
+	now_us = now >> 10; /* mw_now_us */
 	other = conn_find(&id, &slot);
 	c = other ? NULL : conn_claim(&id, &slot, now_us);
 	if (!c) {
@@ -317,7 +320,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	c->active_sk = (__u64)(unsigned long)sk;
 	c->active_local = t.local;
 	c->active_remote = t.remote;
-	c->active_is_sidecar = socket_uid(sk) == sidecar_uid;
+	c->active_is_sidecar = socket_uid(tp) == sidecar_uid;
 	c->active_netns = bpf_get_netns_cookie(skops);
 	c->pending_us = now_us;
 	obs_joins(st, c, 0);
@@ -391,8 +394,9 @@ static __always_inline void passive_gives_up(__u32 slot, struct mw_conn *c, __u3
  * reserved for this socket): whether this socket joined and the connection
  * is PAIRED.
  */
-static __always_inline bool passive_joins(struct bpf_sock_ops *skops, struct bpf_sock *sk, const struct mw_tuple *tp,
-					  struct mw_conn_id *idp, struct mw_conn *c, __u32 slot, __u32 cb_flags)
+static __always_inline bool passive_joins(struct bpf_sock_ops *skops, struct bpf_sock *sk, struct tcp_sock *tcp,
+					  const struct mw_tuple *tp, struct mw_conn_id *idp, struct mw_conn *c,
+					  __u32 slot, __u32 cb_flags, __u64 now)
 {
 	struct mw_conn_id id = *idp;
 	struct mw_sk_state *st;
@@ -407,12 +411,12 @@ static __always_inline bool passive_joins(struct bpf_sock_ops *skops, struct bpf
 		return false;
 	}
 	/* Born late (the handshake's last ACK lost, a listener's full queue). */
-	if (pending_expired(c)) {
+	if (pending_expired_at(c, now >> 10)) {
 		passive_gives_up(slot, c, MW_REASON_UNPAIRED_TIMEOUT);
 		return false;
 	}
 
-	reason = socket_unfit(sk);
+	reason = socket_unfit(tcp);
 	if (reason) {
 		passive_gives_up(slot, c, reason);
 		return false;
@@ -499,7 +503,8 @@ static __always_inline bool passive_joins(struct bpf_sock_ops *skops, struct bpf
 }
 
 static __always_inline void on_passive_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
-						   __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags)
+						   struct tcp_sock *tcp, __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags,
+						   __u64 now)
 {
 	struct mw_tuple t = {};
 	struct mw_conn_id id = { .active_isn1 = rcv_nxt, .passive_isn1 = snd_nxt };
@@ -514,7 +519,7 @@ static __always_inline void on_passive_established(struct bpf_sock_ops *skops, s
 		return;
 	}
 	/* Its own hold first, so the slot never goes free in between; then the reservation goes. */
-	if (passive_joins(skops, sk, &t, &id, c, slot, cb_flags))
+	if (passive_joins(skops, sk, tcp, &t, &id, c, slot, cb_flags, now))
 		__sync_fetch_and_or(&c->holders, MW_HOLD_PASSIVE);
 	conn_drop(c, MW_HOLD_RESERVED);
 }

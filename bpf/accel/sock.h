@@ -82,9 +82,8 @@ static __always_inline bool addr_eq(const struct mw_endpoint *a, const struct mw
 }
 
 /* The uid owning the socket (the process that created it), via BTF. */
-static __always_inline __u32 socket_uid(struct bpf_sock *sk)
+static __always_inline __u32 socket_uid(struct tcp_sock *tp)
 {
-	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
 	if (!tp)
 		return (__u32)-1;
 	return tp->inet_conn.icsk_inet.sk.sk_uid.val;

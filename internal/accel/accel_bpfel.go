@@ -74,12 +74,6 @@ const (
 	accelMwConnStateMW_CONN_PASSTHROUGH accelMwConnState = 3
 )
 
-type accelMwConnect struct {
-	_          structs.HostLayout
-	ConnectNs  uint64
-	ReceivedNs uint64
-}
-
 type accelMwCounters struct {
 	_                 structs.HostLayout
 	RedirectedMsgs    uint64
@@ -302,10 +296,13 @@ type accelMwSock struct {
 	Prog accelMwProg
 }
 
-type accelMwSynId struct {
-	_    structs.HostLayout
-	Addr [4]uint32
-	Isn1 uint32
+type accelMwSynNote struct {
+	_          structs.HostLayout
+	Addr       [4]uint32
+	Isn1       uint32
+	ConnectUs  uint32
+	ReceivedUs uint32
+	Received   uint32
 }
 
 type accelMwTapBuf struct {
@@ -371,7 +368,6 @@ const (
 	accelMapMwCgroup               = "mw_cgroup"
 	accelMapMwCidrExcl             = "mw_cidr_excl"
 	accelMapMwCidrIncl             = "mw_cidr_incl"
-	accelMapMwConnecting           = "mw_connecting"
 	accelMapMwConns                = "mw_conns"
 	accelMapMwFlows                = "mw_flows"
 	accelMapMwLearnedAny           = "mw_learned_any"
@@ -385,6 +381,7 @@ const (
 	accelMapMwSkStore              = "mw_sk_store"
 	accelMapMwSockMap              = "mw_sock_map"
 	accelMapMwStats                = "mw_stats"
+	accelMapMwSynNotes             = "mw_syn_notes"
 	accelMapMwTapCounters          = "mw_tap_counters"
 	accelMapMwTapRing              = "mw_tap_ring"
 	accelMapMwTapScratch           = "mw_tap_scratch"
@@ -508,7 +505,6 @@ type accelMapSpecs struct {
 	MwCgroup      *ebpf.MapSpec `ebpf:"mw_cgroup"`
 	MwCidrExcl    *ebpf.MapSpec `ebpf:"mw_cidr_excl"`
 	MwCidrIncl    *ebpf.MapSpec `ebpf:"mw_cidr_incl"`
-	MwConnecting  *ebpf.MapSpec `ebpf:"mw_connecting"`
 	MwConns       *ebpf.MapSpec `ebpf:"mw_conns"`
 	MwFlows       *ebpf.MapSpec `ebpf:"mw_flows"`
 	MwLearnedAny  *ebpf.MapSpec `ebpf:"mw_learned_any"`
@@ -522,6 +518,7 @@ type accelMapSpecs struct {
 	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
 	MwSockMap     *ebpf.MapSpec `ebpf:"mw_sock_map"`
 	MwStats       *ebpf.MapSpec `ebpf:"mw_stats"`
+	MwSynNotes    *ebpf.MapSpec `ebpf:"mw_syn_notes"`
 	MwTapCounters *ebpf.MapSpec `ebpf:"mw_tap_counters"`
 	MwTapRing     *ebpf.MapSpec `ebpf:"mw_tap_ring"`
 	MwTapScratch  *ebpf.MapSpec `ebpf:"mw_tap_scratch"`
@@ -579,7 +576,6 @@ type accelMaps struct {
 	MwCgroup      *ebpf.Map `ebpf:"mw_cgroup"`
 	MwCidrExcl    *ebpf.Map `ebpf:"mw_cidr_excl"`
 	MwCidrIncl    *ebpf.Map `ebpf:"mw_cidr_incl"`
-	MwConnecting  *ebpf.Map `ebpf:"mw_connecting"`
 	MwConns       *ebpf.Map `ebpf:"mw_conns"`
 	MwFlows       *ebpf.Map `ebpf:"mw_flows"`
 	MwLearnedAny  *ebpf.Map `ebpf:"mw_learned_any"`
@@ -593,6 +589,7 @@ type accelMaps struct {
 	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
 	MwSockMap     *ebpf.Map `ebpf:"mw_sock_map"`
 	MwStats       *ebpf.Map `ebpf:"mw_stats"`
+	MwSynNotes    *ebpf.Map `ebpf:"mw_syn_notes"`
 	MwTapCounters *ebpf.Map `ebpf:"mw_tap_counters"`
 	MwTapRing     *ebpf.Map `ebpf:"mw_tap_ring"`
 	MwTapScratch  *ebpf.Map `ebpf:"mw_tap_scratch"`
@@ -608,7 +605,6 @@ func (m *accelMaps) Close() error {
 		m.MwCgroup,
 		m.MwCidrExcl,
 		m.MwCidrIncl,
-		m.MwConnecting,
 		m.MwConns,
 		m.MwFlows,
 		m.MwLearnedAny,
@@ -622,6 +618,7 @@ func (m *accelMaps) Close() error {
 		m.MwSkStore,
 		m.MwSockMap,
 		m.MwStats,
+		m.MwSynNotes,
 		m.MwTapCounters,
 		m.MwTapRing,
 		m.MwTapScratch,

@@ -41,7 +41,7 @@ var reasonDocs = []reasonDoc{
 	{name: "zerocopy", text: "SO_ZEROCOPY was set; MSG_ZEROCOPY completions never come for redirected bytes",
 		note: "rcvlowat, peek_off, tcp_inq, timestamp and zerocopy are seen on the socket when it is established (set before connect(), or inherited from the listener) and, later, by a cgroup setsockopt hook: before any byte was redirected the connection simply stays on TCP; after, it moves to TCP at its next switch point and the ports and the program are learned for later connections"},
 	{name: "policy", text: "excluded by port/CIDR policy (connections only)"},
-	{name: "hint_missed", text: "both ends are in the cgroup, but no listener of the cgroup received the connecting socket's own SYN (its note was evicted, or the SYN took a path past the cgroup)"},
+	{name: "hint_missed", text: "both ends are in the cgroup, but no listener of the cgroup received the connecting socket's own SYN (its note was overwritten by other connects in flight, or the SYN took a path past the cgroup)"},
 	{name: "early_data", text: "bytes were written before the connection was established (TCP Fast Open, a write racing connect): they went by TCP, so that direction stays on TCP"},
 	{name: "splice_reader", learned: true, text: "read it with splice(2) (sees only the TCP queue)"},
 	{name: "waitall_reader", learned: true, text: "recv(MSG_WAITALL) (the redirect queue returns what it holds)"},
