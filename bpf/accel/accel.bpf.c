@@ -13,8 +13,8 @@
  * bpf_skc_to_tcp_sock in sock_ops; sockmap links from 6.10, else
  * BPF_PROG_ATTACH: internal/probe decides per feature).
  * Maps owned (all pinned by name so a restarted agent adopts them):
- *   mw_sock_map    SOCKHASH  mw_sock_key -> socket
- *   mw_conns        HASH      mw_conn_id  -> mw_conn (the pairing decision)
+ *   mw_sock_map     SOCKMAP                2 * slot + role - 1 -> socket
+ *   mw_conns        ARRAY                  slot -> mw_conn (the pairing decision)
  *   mw_syn_notes    ARRAY                  who may have a local peer (hints.h)
  *   mw_unhinted     LRU_HASH               connections that found no note
  *   mw_sk_store     SK_STORAGE (cloned)    mw_sock per socket (program, pairing, observation)
