@@ -60,8 +60,8 @@ static __always_inline struct mw_syn_note *find_note(const __u32 addr[4], __u32 
  * Step 0: a socket of the cgroup connects; its SYN is about to leave. The
  * note takes a free slot of its pair, or one whose connect is past
  * MW_CONNECT_TTL_NS, else the older note's: a note overwritten before its
- * SYN-ACK costs its connection the redirect (no_local_peer), never a wrong
- * pairing (step 2 proves it). Its sequence number is written last, so a
+ * SYN-ACK costs its connection the redirect (hint_missed, once the accepted
+ * side finds the connection), never a wrong pairing (step 2 proves it). Its sequence number is written last, so a
  * reader on another CPU matches no note half written (a torn match could
  * only make a socket join and wait: PENDING, then TCP).
  */
