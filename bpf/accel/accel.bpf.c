@@ -16,7 +16,7 @@
  *   mw_sock_map     SOCKMAP                2 * slot + role - 1 -> socket
  *   mw_conns        ARRAY                  slot -> mw_conn (the pairing decision)
  *   mw_syn_notes    ARRAY                  who may have a local peer (hints.h)
- *   mw_unhinted     LRU_HASH               connections that found no note
+ *   mw_unhinted_notes ARRAY                connections that found no note
  *   mw_sk_store     SK_STORAGE (cloned)    mw_sock per socket (program, pairing, observation)
  *   mw_stats        PERCPU_ARRAY           mw_counters
  *   mw_policy, mw_port_policy, mw_cidr_incl, mw_cidr_excl   policy

@@ -130,6 +130,18 @@ struct mw_syn_note {
 };
 
 /*
+ * A note of mw_unhinted_notes: a connection whose connecting socket found
+ * no SYN note (no_local_peer), with that socket's source address, for the
+ * accepted side's precise reason. 32 bytes, as mw_syn_note.
+ */
+struct mw_unhinted_note {
+	struct mw_conn_id id; /* both 0: the slot is free */
+	__u32 addr[4];
+	__u32 noted_us; /* mw_now_us units */
+	__u32 pad;
+};
+
+/*
  * Where a request/response exchange (or a connection) was observed, from the
  * client inwards: a request through two sidecars meets these points in this
  * order, so the differences of their mean durations are the hops and

@@ -33,8 +33,7 @@ static __always_inline __u32 syn_slot(const __u32 addr[4], __u32 isn1)
 
 static __always_inline bool note_is(const struct mw_syn_note *n, const __u32 addr[4], __u32 isn1)
 {
-	return n->isn1 == isn1 && n->addr[0] == addr[0] && n->addr[1] == addr[1] && n->addr[2] == addr[2] &&
-	       n->addr[3] == addr[3];
+	return n->isn1 == isn1 && addrs_eq(n->addr, addr);
 }
 
 /*
@@ -84,8 +83,7 @@ static __always_inline void on_connect(struct bpf_sock_ops *skops, struct tcp_so
 	other = bpf_map_lookup_elem(&mw_syn_notes, &next);
 	if (!n || !other)
 		return;
-	if (n->isn1 && now_us - n->connect_us < MW_CONNECT_TTL_US &&
-	    (!other->isn1 || now_us - other->connect_us >= MW_CONNECT_TTL_US || (__s32)(other->connect_us - n->connect_us) < 0))
+	if (note_takes_second(n->isn1, n->connect_us, other->isn1, other->connect_us, now_us, MW_CONNECT_TTL_US))
 		n = other;
 	n->isn1 = 0;
 	__builtin_memcpy(n->addr, t.local.addr, sizeof(n->addr));

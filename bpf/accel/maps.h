@@ -303,11 +303,35 @@ MW_PINNED_MAP(BPF_MAP_TYPE_ARRAY, MW_SYN_NOTES, __u32, struct mw_syn_note) mw_sy
 
 /*
  * Connections whose connecting socket found no note (no_local_peer), with
- * its source endpoint: if the accepted side turns out to be in the cgroup,
+ * its source address: if the accepted side turns out to be in the cgroup,
  * it re-counts the connection under the precise reason (addr_mismatch,
- * hint_missed).
+ * hint_missed). Notes as mw_syn_notes': every connection to a remote host
+ * or a server outside the cgroup writes one that nobody takes, so a hash
+ * map's update was a cost on traffic meshwarp does not accelerate. A note
+ * overwritten first leaves its connection counted as no_local_peer.
  */
-MW_PINNED_MAP(BPF_MAP_TYPE_LRU_HASH, MW_DEFAULT_CAPACITY, struct mw_conn_id, struct mw_endpoint) mw_unhinted SEC(".maps");
+#define MW_UNHINTED_NOTES 8192 /* a power of two */
+/*
+ * An accepted side on this node comes within a round trip of its
+ * connecting side's establishment: a note older than this is free for
+ * another (mw_now_us units, about 100 ms).
+ */
+#define MW_UNHINTED_TTL_US ((__u32)(100ULL * 1000 * 1000 >> 10))
+MW_PINNED_MAP(BPF_MAP_TYPE_ARRAY, MW_UNHINTED_NOTES, __u32, struct mw_unhinted_note) mw_unhinted_notes SEC(".maps");
+
+/*
+ * Of the two slots of a note's pair (one cache line), whether a new note
+ * takes the second: the first holds a note younger than ttl_us (live1: the
+ * slot is not free; at: mw_now_us units), and the second is free, older
+ * than ttl_us, or older than the first.
+ */
+static __always_inline bool note_takes_second(bool live1, __u32 at1, bool live2, __u32 at2, __u32 now_us,
+					      __u32 ttl_us)
+{
+	if (!live1 || now_us - at1 >= ttl_us)
+		return false;
+	return !live2 || now_us - at2 >= ttl_us || (__s32)(at2 - at1) < 0;
+}
 
 /*
  * One record per socket (struct mw_sock). BPF_F_CLONE: a socket accepted

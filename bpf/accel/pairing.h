@@ -246,6 +246,57 @@ static __always_inline void count_join_error(__u32 reason)
 		cnt->sockhash_full++;
 }
 
+/* The first of the pair of mw_unhinted_notes slots of connection id (see syn_slot). */
+static __always_inline __u32 unhinted_slot(const struct mw_conn_id *id)
+{
+	return ((id->active_isn1 ^ id->passive_isn1 * 2246822519u) * 2654435761u >> 16) & (MW_UNHINTED_NOTES - 2);
+}
+
+/* The note of connection id, or NULL. */
+static __always_inline struct mw_unhinted_note *find_unhinted(const struct mw_conn_id *id)
+{
+	__u32 slot = unhinted_slot(id), next = slot + 1;
+	struct mw_unhinted_note *n;
+
+	if (!id->active_isn1 && !id->passive_isn1)
+		return NULL;
+	n = bpf_map_lookup_elem(&mw_unhinted_notes, &slot);
+	if (n && n->id.active_isn1 == id->active_isn1 && n->id.passive_isn1 == id->passive_isn1)
+		return n;
+	n = bpf_map_lookup_elem(&mw_unhinted_notes, &next);
+	if (n && n->id.active_isn1 == id->active_isn1 && n->id.passive_isn1 == id->passive_isn1)
+		return n;
+	return NULL;
+}
+
+/*
+ * The connecting socket of connection id (source local) found no SYN note:
+ * note it for the accepted side, as on_connect notes a SYN (hints.h). The
+ * accepted side comes within a round trip or never (a remote peer).
+ */
+static __always_inline void note_unhinted(const struct mw_conn_id *id, const struct mw_endpoint *local, __u32 now_us)
+{
+	__u32 slot = unhinted_slot(id), next = slot + 1;
+	struct mw_unhinted_note *n, *other;
+
+	if (!id->active_isn1 && !id->passive_isn1)
+		return;
+	n = bpf_map_lookup_elem(&mw_unhinted_notes, &slot);
+	other = bpf_map_lookup_elem(&mw_unhinted_notes, &next);
+	if (!n || !other)
+		return;
+	if (note_takes_second(n->id.active_isn1 || n->id.passive_isn1, n->noted_us,
+			      other->id.active_isn1 || other->id.passive_isn1, other->noted_us, now_us,
+			      MW_UNHINTED_TTL_US))
+		n = other;
+	n->id.active_isn1 = 0;
+	n->id.passive_isn1 = 0;
+	__builtin_memcpy(n->addr, local->addr, sizeof(n->addr));
+	n->noted_us = now_us;
+	asm volatile("" ::: "memory");
+	n->id = *id;
+}
+
 static __always_inline void on_active_established(struct bpf_sock_ops *skops, struct bpf_sock *sk,
 						  struct tcp_sock *tp, __u32 snd_nxt, __u32 rcv_nxt, __u32 cb_flags,
 						  __u64 now)
@@ -254,7 +305,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	struct mw_sk_state *st;
 	struct mw_conn *c, *other;
 	struct mw_conn_id id = { .active_isn1 = snd_nxt, .passive_isn1 = rcv_nxt };
-	__u32 reason, slot, index, now_us, *learned;
+	__u32 reason, slot, index, now_us = now >> 10 /* mw_now_us */, *learned;
 	bool hinted;
 	long err;
 
@@ -284,7 +335,7 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	}
 	if (!hinted) {
 		/* If the accepted side is ours after all, it finds out why (step 2). */
-		bpf_map_update_elem(&mw_unhinted, &id, &t.local, BPF_ANY);
+		note_unhinted(&id, &t.local, now_us);
 		keep_off(MW_REASON_NO_LOCAL_PEER);
 		return;
 	}
@@ -300,7 +351,6 @@ static __always_inline void on_active_established(struct bpf_sock_ops *skops, st
 	 * slot it may take is in use. Neither may be paired: a passive socket
 	 * could not tell which active socket it belongs to.
 	 */
-	now_us = now >> 10; /* mw_now_us */
 	other = conn_find(&id, &slot);
 	c = other ? NULL : conn_claim(&id, &slot, now_us);
 	if (!c) {
@@ -363,14 +413,15 @@ static __always_inline __u32 classify_hop(__u32 passive_local_port, const struct
  */
 static __always_inline void missed_local_peer(const struct mw_conn_id *id, const struct mw_endpoint *remote)
 {
-	struct mw_endpoint *active_local = bpf_map_lookup_elem(&mw_unhinted, id);
+	struct mw_unhinted_note *n = find_unhinted(id);
 	struct mw_counters *c;
 	__u32 reason;
 
-	if (!active_local)
+	if (!n)
 		return;
-	reason = addr_eq(active_local, remote) ? MW_REASON_HINT_MISSED : MW_REASON_ADDR_MISMATCH;
-	bpf_map_delete_elem(&mw_unhinted, id);
+	reason = addrs_eq(n->addr, remote->addr) ? MW_REASON_HINT_MISSED : MW_REASON_ADDR_MISMATCH;
+	n->id.active_isn1 = 0;
+	n->id.passive_isn1 = 0;
 	c = counters();
 	if (!c)
 		return;

@@ -75,10 +75,14 @@ static __always_inline void sockops_tuple(struct bpf_sock_ops *skops, struct mw_
 	fill_tuple(t, family, lip4, rip4, l6_, r6_, lport, rport);
 }
 
+static __always_inline bool addrs_eq(const __u32 a[4], const __u32 b[4])
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
+}
+
 static __always_inline bool addr_eq(const struct mw_endpoint *a, const struct mw_endpoint *b)
 {
-	return a->addr[0] == b->addr[0] && a->addr[1] == b->addr[1] && a->addr[2] == b->addr[2] &&
-	       a->addr[3] == b->addr[3];
+	return addrs_eq(a->addr, b->addr);
 }
 
 /* The uid owning the socket (the process that created it), via BTF. */

@@ -361,6 +361,14 @@ type accelMwUnfitProg struct {
 	KeptOff uint64
 }
 
+type accelMwUnhintedNote struct {
+	_       structs.HostLayout
+	Id      accelMwConnId
+	Addr    [4]uint32
+	NotedUs uint32
+	Pad     uint32
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -389,7 +397,7 @@ const (
 	accelMapMwUnfitProcs           = "mw_unfit_procs"
 	accelMapMwUnfitProgs           = "mw_unfit_progs"
 	accelMapMwUnfitRport           = "mw_unfit_rport"
-	accelMapMwUnhinted             = "mw_unhinted"
+	accelMapMwUnhintedNotes        = "mw_unhinted_notes"
 	accelProgMwEgress              = "mw_egress"
 	accelProgMwEgressObs           = "mw_egress_obs"
 	accelProgMwIngress             = "mw_ingress"
@@ -502,31 +510,31 @@ type accelProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type accelMapSpecs struct {
-	MwCgroup      *ebpf.MapSpec `ebpf:"mw_cgroup"`
-	MwCidrExcl    *ebpf.MapSpec `ebpf:"mw_cidr_excl"`
-	MwCidrIncl    *ebpf.MapSpec `ebpf:"mw_cidr_incl"`
-	MwConns       *ebpf.MapSpec `ebpf:"mw_conns"`
-	MwFlows       *ebpf.MapSpec `ebpf:"mw_flows"`
-	MwLearnedAny  *ebpf.MapSpec `ebpf:"mw_learned_any"`
-	MwLeaveClock  *ebpf.MapSpec `ebpf:"mw_leave_clock"`
-	MwLeavePolls  *ebpf.MapSpec `ebpf:"mw_leave_polls"`
-	MwPairFlows   *ebpf.MapSpec `ebpf:"mw_pair_flows"`
-	MwPairIds     *ebpf.MapSpec `ebpf:"mw_pair_ids"`
-	MwPairPoints  *ebpf.MapSpec `ebpf:"mw_pair_points"`
-	MwPolicy      *ebpf.MapSpec `ebpf:"mw_policy"`
-	MwPortPolicy  *ebpf.MapSpec `ebpf:"mw_port_policy"`
-	MwSkStore     *ebpf.MapSpec `ebpf:"mw_sk_store"`
-	MwSockMap     *ebpf.MapSpec `ebpf:"mw_sock_map"`
-	MwStats       *ebpf.MapSpec `ebpf:"mw_stats"`
-	MwSynNotes    *ebpf.MapSpec `ebpf:"mw_syn_notes"`
-	MwTapCounters *ebpf.MapSpec `ebpf:"mw_tap_counters"`
-	MwTapRing     *ebpf.MapSpec `ebpf:"mw_tap_ring"`
-	MwTapScratch  *ebpf.MapSpec `ebpf:"mw_tap_scratch"`
-	MwUnfitLport  *ebpf.MapSpec `ebpf:"mw_unfit_lport"`
-	MwUnfitProcs  *ebpf.MapSpec `ebpf:"mw_unfit_procs"`
-	MwUnfitProgs  *ebpf.MapSpec `ebpf:"mw_unfit_progs"`
-	MwUnfitRport  *ebpf.MapSpec `ebpf:"mw_unfit_rport"`
-	MwUnhinted    *ebpf.MapSpec `ebpf:"mw_unhinted"`
+	MwCgroup        *ebpf.MapSpec `ebpf:"mw_cgroup"`
+	MwCidrExcl      *ebpf.MapSpec `ebpf:"mw_cidr_excl"`
+	MwCidrIncl      *ebpf.MapSpec `ebpf:"mw_cidr_incl"`
+	MwConns         *ebpf.MapSpec `ebpf:"mw_conns"`
+	MwFlows         *ebpf.MapSpec `ebpf:"mw_flows"`
+	MwLearnedAny    *ebpf.MapSpec `ebpf:"mw_learned_any"`
+	MwLeaveClock    *ebpf.MapSpec `ebpf:"mw_leave_clock"`
+	MwLeavePolls    *ebpf.MapSpec `ebpf:"mw_leave_polls"`
+	MwPairFlows     *ebpf.MapSpec `ebpf:"mw_pair_flows"`
+	MwPairIds       *ebpf.MapSpec `ebpf:"mw_pair_ids"`
+	MwPairPoints    *ebpf.MapSpec `ebpf:"mw_pair_points"`
+	MwPolicy        *ebpf.MapSpec `ebpf:"mw_policy"`
+	MwPortPolicy    *ebpf.MapSpec `ebpf:"mw_port_policy"`
+	MwSkStore       *ebpf.MapSpec `ebpf:"mw_sk_store"`
+	MwSockMap       *ebpf.MapSpec `ebpf:"mw_sock_map"`
+	MwStats         *ebpf.MapSpec `ebpf:"mw_stats"`
+	MwSynNotes      *ebpf.MapSpec `ebpf:"mw_syn_notes"`
+	MwTapCounters   *ebpf.MapSpec `ebpf:"mw_tap_counters"`
+	MwTapRing       *ebpf.MapSpec `ebpf:"mw_tap_ring"`
+	MwTapScratch    *ebpf.MapSpec `ebpf:"mw_tap_scratch"`
+	MwUnfitLport    *ebpf.MapSpec `ebpf:"mw_unfit_lport"`
+	MwUnfitProcs    *ebpf.MapSpec `ebpf:"mw_unfit_procs"`
+	MwUnfitProgs    *ebpf.MapSpec `ebpf:"mw_unfit_progs"`
+	MwUnfitRport    *ebpf.MapSpec `ebpf:"mw_unfit_rport"`
+	MwUnhintedNotes *ebpf.MapSpec `ebpf:"mw_unhinted_notes"`
 }
 
 // accelVariableSpecs contains global variables before they are loaded into the kernel.
@@ -573,31 +581,31 @@ func (o *accelObjects) Close() error {
 //
 // It can be passed to loadAccelObjects or ebpf.CollectionSpec.LoadAndAssign.
 type accelMaps struct {
-	MwCgroup      *ebpf.Map `ebpf:"mw_cgroup"`
-	MwCidrExcl    *ebpf.Map `ebpf:"mw_cidr_excl"`
-	MwCidrIncl    *ebpf.Map `ebpf:"mw_cidr_incl"`
-	MwConns       *ebpf.Map `ebpf:"mw_conns"`
-	MwFlows       *ebpf.Map `ebpf:"mw_flows"`
-	MwLearnedAny  *ebpf.Map `ebpf:"mw_learned_any"`
-	MwLeaveClock  *ebpf.Map `ebpf:"mw_leave_clock"`
-	MwLeavePolls  *ebpf.Map `ebpf:"mw_leave_polls"`
-	MwPairFlows   *ebpf.Map `ebpf:"mw_pair_flows"`
-	MwPairIds     *ebpf.Map `ebpf:"mw_pair_ids"`
-	MwPairPoints  *ebpf.Map `ebpf:"mw_pair_points"`
-	MwPolicy      *ebpf.Map `ebpf:"mw_policy"`
-	MwPortPolicy  *ebpf.Map `ebpf:"mw_port_policy"`
-	MwSkStore     *ebpf.Map `ebpf:"mw_sk_store"`
-	MwSockMap     *ebpf.Map `ebpf:"mw_sock_map"`
-	MwStats       *ebpf.Map `ebpf:"mw_stats"`
-	MwSynNotes    *ebpf.Map `ebpf:"mw_syn_notes"`
-	MwTapCounters *ebpf.Map `ebpf:"mw_tap_counters"`
-	MwTapRing     *ebpf.Map `ebpf:"mw_tap_ring"`
-	MwTapScratch  *ebpf.Map `ebpf:"mw_tap_scratch"`
-	MwUnfitLport  *ebpf.Map `ebpf:"mw_unfit_lport"`
-	MwUnfitProcs  *ebpf.Map `ebpf:"mw_unfit_procs"`
-	MwUnfitProgs  *ebpf.Map `ebpf:"mw_unfit_progs"`
-	MwUnfitRport  *ebpf.Map `ebpf:"mw_unfit_rport"`
-	MwUnhinted    *ebpf.Map `ebpf:"mw_unhinted"`
+	MwCgroup        *ebpf.Map `ebpf:"mw_cgroup"`
+	MwCidrExcl      *ebpf.Map `ebpf:"mw_cidr_excl"`
+	MwCidrIncl      *ebpf.Map `ebpf:"mw_cidr_incl"`
+	MwConns         *ebpf.Map `ebpf:"mw_conns"`
+	MwFlows         *ebpf.Map `ebpf:"mw_flows"`
+	MwLearnedAny    *ebpf.Map `ebpf:"mw_learned_any"`
+	MwLeaveClock    *ebpf.Map `ebpf:"mw_leave_clock"`
+	MwLeavePolls    *ebpf.Map `ebpf:"mw_leave_polls"`
+	MwPairFlows     *ebpf.Map `ebpf:"mw_pair_flows"`
+	MwPairIds       *ebpf.Map `ebpf:"mw_pair_ids"`
+	MwPairPoints    *ebpf.Map `ebpf:"mw_pair_points"`
+	MwPolicy        *ebpf.Map `ebpf:"mw_policy"`
+	MwPortPolicy    *ebpf.Map `ebpf:"mw_port_policy"`
+	MwSkStore       *ebpf.Map `ebpf:"mw_sk_store"`
+	MwSockMap       *ebpf.Map `ebpf:"mw_sock_map"`
+	MwStats         *ebpf.Map `ebpf:"mw_stats"`
+	MwSynNotes      *ebpf.Map `ebpf:"mw_syn_notes"`
+	MwTapCounters   *ebpf.Map `ebpf:"mw_tap_counters"`
+	MwTapRing       *ebpf.Map `ebpf:"mw_tap_ring"`
+	MwTapScratch    *ebpf.Map `ebpf:"mw_tap_scratch"`
+	MwUnfitLport    *ebpf.Map `ebpf:"mw_unfit_lport"`
+	MwUnfitProcs    *ebpf.Map `ebpf:"mw_unfit_procs"`
+	MwUnfitProgs    *ebpf.Map `ebpf:"mw_unfit_progs"`
+	MwUnfitRport    *ebpf.Map `ebpf:"mw_unfit_rport"`
+	MwUnhintedNotes *ebpf.Map `ebpf:"mw_unhinted_notes"`
 }
 
 func (m *accelMaps) Close() error {
@@ -626,7 +634,7 @@ func (m *accelMaps) Close() error {
 		m.MwUnfitProcs,
 		m.MwUnfitProgs,
 		m.MwUnfitRport,
-		m.MwUnhinted,
+		m.MwUnhintedNotes,
 	)
 }
 

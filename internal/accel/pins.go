@@ -112,7 +112,7 @@ func removePinDir(dir string) error {
 
 // retiredMapNames are maps that earlier builds pinned and this one no
 // longer has: an upgrade adopts the rest, uninstall and cleanup remove these too.
-var retiredMapNames = []string{"mw_syn_hint", "mw_splice_procs", "mw_splice_lport", "mw_splice_rport", "mw_obs_store", "mw_sock_hash", "mw_connecting"}
+var retiredMapNames = []string{"mw_syn_hint", "mw_splice_procs", "mw_splice_lport", "mw_splice_rport", "mw_obs_store", "mw_sock_hash", "mw_connecting", "mw_unhinted"}
 
 // mapNames lists every map name meshwarp pins or pinned.
 func mapNames() []string {
