@@ -39,7 +39,8 @@ static __always_inline bool note_is(const struct mw_syn_note *n, const __u32 add
 /*
  * The note of the SYN from addr with sequence number isn1 - 1, or NULL. An
  * isn1 of 0 marks a free slot, so the one SYN in 2^32 whose number is
- * 0xffffffff has no note (its connection stays on TCP: no_local_peer).
+ * 0xffffffff has no note (its connection stays on TCP, as one whose note
+ * was overwritten).
  */
 static __always_inline struct mw_syn_note *find_note(const __u32 addr[4], __u32 isn1)
 {
