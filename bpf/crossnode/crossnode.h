@@ -86,6 +86,21 @@ enum mw_xn_hookfn {
 	MW_XN_HOOKFN_NAT = 3,       /* nf_nat: priv holds a nested hook list of NAT chains or tables */
 };
 
+/*
+ * mw_xn_hookfns value: the hook functions the agent found, by address. A
+ * function's slot is (address * mult) >> (64 - MW_XN_HOOKFN_SLOT_BITS), and
+ * the agent picks mult so that no two of them share one (hookfns.go): a
+ * packet tells a hook entry's kind with one compare instead of a hash
+ * lookup per entry, nested NAT entries included (docs/BENCHMARKS.md
+ * section 47). mult 0: none known.
+ */
+#define MW_XN_HOOKFN_SLOT_BITS 7
+struct mw_xn_hookfn_table {
+	__u64 mult;
+	__u64 addr[1 << MW_XN_HOOKFN_SLOT_BITS];
+	__u32 kind[1 << MW_XN_HOOKFN_SLOT_BITS]; /* enum mw_xn_hookfn */
+};
+
 struct mw_xn_mac_key {
 	__u64 netns_cookie;
 	__u8 mac[6];

@@ -8,18 +8,18 @@
  * only for the hook lists and rules it checked: nf_hooks_ident digests them,
  * so a rule added since sends packets the normal path at once.
  * Maps owned (not pinned: the agent fills mw_xn_hookfns at start):
- *   mw_xn_hookfns  HASH           hook function address -> enum mw_xn_hookfn
+ *   mw_xn_hookfns  ARRAY          hook function address -> enum mw_xn_hookfn, placed by address
  *   mw_xn_scratch  PERCPU_ARRAY   room to read hook lists in
  */
 #ifndef MESHWARP_CROSSNODE_NETFILTER_H
 #define MESHWARP_CROSSNODE_NETFILTER_H
 
-/* Hook function address -> enum mw_xn_hookfn, filled by the agent at start. */
+/* The hook functions the agent knows, placed by address (struct mw_xn_hookfn_table), filled at start. */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 64);
-	__type(key, __u64);
-	__type(value, __u32);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mw_xn_hookfn_table);
 } mw_xn_hookfns SEC(".maps");
 
 static __always_inline __u64 mix(__u64 h, __u64 v)
@@ -103,8 +103,15 @@ static __always_inline __u64 mix_rules(__u64 h, __u32 kind, __u64 priv, __u32 ge
 
 static __always_inline __u32 hookfn_kind(__u64 fn)
 {
-	__u32 *k = bpf_map_lookup_elem(&mw_xn_hookfns, &fn);
-	return k ? *k : MW_XN_HOOKFN_UNKNOWN;
+	__u32 zero = 0, slot;
+	/* An array's lookup is inlined: no call per entry. */
+	struct mw_xn_hookfn_table *t = bpf_map_lookup_elem(&mw_xn_hookfns, &zero);
+
+	if (!t || !t->mult)
+		return MW_XN_HOOKFN_UNKNOWN;
+	slot = (fn * t->mult) >> (64 - MW_XN_HOOKFN_SLOT_BITS);
+	slot &= (1 << MW_XN_HOOKFN_SLOT_BITS) - 1;
+	return t->addr[slot] == fn ? t->kind[slot] : MW_XN_HOOKFN_UNKNOWN;
 }
 
 static __noinline __u64 mix_nested(__u64 h, __u64 priv, __u32 gen);

@@ -64,6 +64,13 @@ const (
 	crossnodeMwXnHookfnMW_XN_HOOKFN_NAT       crossnodeMwXnHookfn = 3
 )
 
+type crossnodeMwXnHookfnTable struct {
+	_    structs.HostLayout
+	Mult uint64
+	Addr [128]uint64
+	Kind [128]uint32
+}
+
 type crossnodeMwXnKind uint32
 
 const (

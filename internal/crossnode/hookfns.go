@@ -6,6 +6,7 @@ import (
 	"bufio"
 	"fmt"
 	"io"
+	"math/bits"
 	"os"
 	"strconv"
 	"strings"
@@ -51,12 +52,54 @@ func (a *Agent) loadHookFunctions() (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	for addr, kind := range found {
-		if err := a.objs.MwXnHookfns.Put(addr, uint32(kind)); err != nil {
-			return 0, fmt.Errorf("store hook function %#x: %w", addr, err)
-		}
+	table, err := placeHookFunctions(found)
+	if err != nil {
+		return 0, err
+	}
+	if err := a.objs.MwXnHookfns.Put(uint32(0), &table); err != nil {
+		return 0, fmt.Errorf("store the hook functions: %w", err)
 	}
 	return len(found), nil
+}
+
+// hookSlot is the slot of a hook function's address under mult, as the
+// programs compute it (hookfn_kind in bpf/crossnode/netfilter.h).
+func hookSlot(addr, mult uint64) int {
+	slots := len(crossnodeMwXnHookfnTable{}.Addr)
+	return int(addr * mult >> (64 - bits.TrailingZeros(uint(slots))))
+}
+
+// placeHookFunctions lays found out for the programs (struct mw_xn_hookfn_table):
+// it tries odd multipliers until no two addresses share a slot, so that a
+// packet tells an entry's kind with one compare. A handful of functions in
+// 128 slots takes a few tries; none found leaves mult 0 (nothing known).
+func placeHookFunctions(found map[uint64]crossnodeMwXnHookfn) (crossnodeMwXnHookfnTable, error) {
+	var t crossnodeMwXnHookfnTable
+	if len(found) == 0 {
+		return t, nil
+	}
+	seed := uint64(0x9E3779B97F4A7C15)
+	for try := 0; try < 1<<16; try++ {
+		// splitmix64: a fixed sequence, so that a node gets the same layout each start.
+		seed += 0x9E3779B97F4A7C15
+		z := (seed ^ seed>>30) * 0xBF58476D1CE4E5B9
+		z = (z ^ z>>27) * 0x94D049BB133111EB
+		mult := (z ^ z>>31) | 1
+		t = crossnodeMwXnHookfnTable{Mult: mult}
+		placed := true
+		for addr, kind := range found {
+			s := hookSlot(addr, mult)
+			if t.Addr[s] != 0 {
+				placed = false
+				break
+			}
+			t.Addr[s], t.Kind[s] = addr, uint32(kind)
+		}
+		if placed {
+			return t, nil
+		}
+	}
+	return crossnodeMwXnHookfnTable{}, fmt.Errorf("no layout of %d netfilter hook functions in %d slots", len(found), len(t.Addr))
 }
 
 // readHookFunctions finds hookFunctions in kallsyms text ("addr type name

@@ -35,3 +35,49 @@ garbage
 		}
 	}
 }
+
+// TestPlaceHookFunctions: every function found gets a slot of its own that
+// holds its address and kind where the programs look (hookSlot), for a
+// kernel's worth of neighbouring addresses as kallsyms gives them; none
+// found leaves the table empty (mult 0: nothing known).
+func TestPlaceHookFunctions(t *testing.T) {
+	kinds := []crossnodeMwXnHookfn{
+		crossnodeMwXnHookfnMW_XN_HOOKFN_NFT_CHAIN,
+		crossnodeMwXnHookfnMW_XN_HOOKFN_XT_TABLE,
+		crossnodeMwXnHookfnMW_XN_HOOKFN_NAT,
+	}
+	found := map[uint64]crossnodeMwXnHookfn{}
+	// As many as hookFunctions names, 16 bytes apart (functions in one object file) and in a module.
+	for i := range len(hookFunctions) {
+		addr := uint64(0xffffffff81f5d800) + uint64(i)*16
+		if i%4 == 3 {
+			addr = 0xffffffffc0a01000 + uint64(i)*0x40
+		}
+		found[addr] = kinds[i%len(kinds)]
+	}
+	table, err := placeHookFunctions(found)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if table.Mult == 0 {
+		t.Fatal("mult 0: the programs would know no function")
+	}
+	for addr, kind := range found {
+		s := hookSlot(addr, table.Mult)
+		if table.Addr[s] != addr || crossnodeMwXnHookfn(table.Kind[s]) != kind {
+			t.Errorf("%#x: slot %d holds %#x kind %d, want kind %d", addr, s, table.Addr[s], table.Kind[s], kind)
+		}
+	}
+	used := 0
+	for _, a := range table.Addr {
+		if a != 0 {
+			used++
+		}
+	}
+	if used != len(found) {
+		t.Errorf("%d slots used for %d functions", used, len(found))
+	}
+	if empty, err := placeHookFunctions(nil); err != nil || empty.Mult != 0 {
+		t.Errorf("none found: mult %#x, err %v; want 0, nil", empty.Mult, err)
+	}
+}
