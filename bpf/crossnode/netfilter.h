@@ -58,6 +58,9 @@ static __always_inline struct mw_xn_hook_list *read_list(__u64 list, __u32 slot)
 	return b;
 }
 
+/* What one probe read of an nf_tables base chain covers at most: its policy to its rule blobs. */
+#define MW_XN_CHAIN_SPAN 64
+
 static __always_inline __u64 read_u64(const void *p)
 {
 	__u64 v = 0;
@@ -84,15 +87,37 @@ static __always_inline __u64 mix_rules(__u64 h, __u32 kind, __u64 priv, __u32 ge
 		 * (nft_do_chain). The other one changes at every later commit
 		 * of any table, to catch up.
 		 */
-		struct nft_chain *c = (void *)priv;
-		if (gen != 1)
-			h = mix(h, read_u64(&c->blob_gen_0));
-		if (gen != 0)
-			h = mix(h, read_u64(&c->blob_gen_1));
 		/* The policy lives in the nft_base_chain around the chain. */
 		__u64 base = priv - bpf_core_field_offset(struct nft_base_chain, chain);
+		__u32 pol = bpf_core_field_offset(struct nft_base_chain, policy);
+		__u32 b0 = bpf_core_field_offset(struct nft_base_chain, chain) + bpf_core_field_offset(struct nft_chain, blob_gen_0);
+		__u32 b1 = bpf_core_field_offset(struct nft_base_chain, chain) + bpf_core_field_offset(struct nft_chain, blob_gen_1);
+		__u64 blob0 = 0, blob1 = 0;
 		__u8 policy = 0;
-		bpf_probe_read_kernel(&policy, 1, (void *)(base + bpf_core_field_offset(struct nft_base_chain, policy)));
+		/*
+		 * One probe read from the policy to the second blob where the
+		 * layout keeps them close in that order (40 bytes on 6.18), from
+		 * an 8-byte boundary (the stack's loads are aligned); else three.
+		 * The offsets are constants once relocated: the verifier keeps
+		 * one branch.
+		 */
+		__u32 start = pol & ~7u;
+		__u64 span[MW_XN_CHAIN_SPAN / 8] = {};
+		if (pol < b0 && b0 < b1 && !(b0 & 7) && !(b1 & 7) && b1 + 8 - start <= MW_XN_CHAIN_SPAN) {
+			bpf_probe_read_kernel(span, b1 + 8 - start, (void *)(base + start));
+			/* By shifts: indexing the bytes lets the compiler OR into the stack pointer. */
+			policy = (__u8)(span[0] >> ((pol - start) * 8));
+			blob0 = span[(b0 - start) / 8];
+			blob1 = span[(b1 - start) / 8];
+		} else {
+			blob0 = read_u64((void *)(base + b0));
+			blob1 = read_u64((void *)(base + b1));
+			bpf_probe_read_kernel(&policy, 1, (void *)(base + pol));
+		}
+		if (gen != 1)
+			h = mix(h, blob0);
+		if (gen != 0)
+			h = mix(h, blob1);
 		h = mix(h, policy);
 	} else if (kind == MW_XN_HOOKFN_XT_TABLE && bpf_core_type_exists(struct xt_table)) {
 		struct xt_table *t = (void *)priv;
@@ -184,11 +209,8 @@ static __always_inline __u32 nf_hooks_ident(struct __sk_buff *ctx, __u16 proto)
 		bpf_probe_read_kernel(l3, sizeof(l3), &net->nf.hooks_ipv6);
 	/* nf_tables' current generation; 2: unknown, both blobs count. */
 	__u32 gen = 2;
-	if (bpf_core_field_exists(net->nft.gencursor)) {
-		__u8 g = 0;
-		bpf_probe_read_kernel(&g, 1, &net->nft.gencursor);
-		gen = g & 1;
-	}
+	if (bpf_core_field_exists(net->nft.gencursor))
+		gen = net->nft.gencursor & 1; /* a BTF load: net came through the skb */
 	h = mix_list(h, l3[NF_INET_PRE_ROUTING], gen);
 	h = mix_list(h, l3[NF_INET_FORWARD], gen);
 	h = mix_list(h, l3[NF_INET_POST_ROUTING], gen);
