@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The kernel matrix: runs the data path's privileged tests (pairing, integrity,
 # the socket API compatibility suite, lifecycle; each with the agent and
-# without) and `meshwarp probe` inside VMs on the LTS kernels users run, and
-# fails if any fails. scripts/test.sh calls it; the host kernel is tested there.
+# without), `meshwarp probe` and, where the kernel has cross-node forwarding
+# (tcx, 6.6), its package's privileged tests inside VMs on the LTS kernels
+# users run, and fails if any fails. scripts/test.sh calls it; the host
+# kernel is tested there.
 #
 #   - kernels: Debian's packages, fetched with a separate apt configuration
 #     under the cache (the host's apt sources and /boot are never touched),
@@ -49,8 +51,8 @@ cache=${MESHWARP_VM_CACHE:-/var/lib/meshwarp-vmtest}
 # (about 15) stay under the 90 minutes CI allows; one at its limit means
 # a hang, which fails CI anyway. The retry runs one failed test (or a
 # few) alone: its limit fits the longest, the lifecycle under load.
-probe_timeout_s=240 accel_timeout_s=1500 retry_timeout_s=600
-timeout_s=${MESHWARP_VM_TIMEOUT:-$((probe_timeout_s + accel_timeout_s + retry_timeout_s + 300))}
+probe_timeout_s=240 accel_timeout_s=1500 retry_timeout_s=600 crossnode_timeout_s=300
+timeout_s=${MESHWARP_VM_TIMEOUT:-$((probe_timeout_s + accel_timeout_s + retry_timeout_s + crossnode_timeout_s + 300))}
 
 # What proves a kernel, chosen for the emulation budget (see above):
 # pairing and identity (loopback, across namespaces, NAT port remap,
@@ -88,6 +90,11 @@ fionread_tests='NoHarmPairedFIONREAD|SmallStreamSocketsLeave'
 accel_run=${MESHWARP_VM_RUN_ACCEL:-"^TestPrivileged($accel_tests|$fionread_tests)\$"}
 accel_run_limited=${MESHWARP_VM_RUN_ACCEL:-"^TestPrivileged($accel_tests)\$"}
 probe_run='^TestPrivileged'
+# Cross-node forwarding: its programs load on this kernel, and its
+# per-packet netfilter digest follows every kind of rule change with
+# netfilter as Debian builds it (modules, loaded by the tests' first rules:
+# what the agent learns of them after it started). Seconds on the host.
+crossnode_run='^TestPrivileged'
 # Cases whose setup the kernel itself does not support (they fail without the
 # agent too), by kernel release prefix. 6.1: the inbound capture across
 # namespaces drops the SYN whose reply tuple clashes instead of remapping its
@@ -182,6 +189,7 @@ CGO_ENABLED=0 go build -o "$work/meshwarp" ./cmd/meshwarp
 # for the VMs only.
 CGO_ENABLED=0 go test -c -tags vmtest -o "$work/accel.test" ./internal/accel
 CGO_ENABLED=0 go test -c -o "$work/probe.test" ./internal/probe
+CGO_ENABLED=0 go test -c -o "$work/crossnode.test" ./internal/crossnode
 
 # The guest's side: bpffs, then each test binary from its package directory
 # (testdata, relative paths), logs and one exit code per part into the rwdir.
@@ -209,6 +217,15 @@ export MESHWARP_REQUIRE_PRIVILEGED=1 MESHWARP_TEST_BIN=$work/meshwarp MESHWARP_V
 uname -r >\$out/kernel
 $work/meshwarp probe >\$out/probe.log 2>&1; echo \$? >\$out/probe.rc
 (cd $repo/internal/probe && $work/probe.test -test.run '$probe_run' -test.v -test.count=1 -test.timeout ${probe_timeout_s}s) >\$out/probe-tests.log 2>&1; echo \$? >\$out/probe-tests.rc
+if grep -q '^cross-node forwarding *on' \$out/probe.log; then
+	# A node's netfilter modules, loaded before the agent starts as where
+	# kube-proxy or a firewall ran first (their types are what the programs'
+	# CO-RE finds; nft_chain_nat loads with the tests' first NAT chain, after).
+	modprobe -a nf_tables nf_nat ip_tables ip6_tables iptable_filter iptable_mangle iptable_nat ip6table_filter ip6table_mangle ip6table_nat >\$out/crossnode-modules.log 2>&1
+	(cd $repo/internal/crossnode && $work/crossnode.test -test.run '$crossnode_run' -test.v -test.count=1 -test.timeout ${crossnode_timeout_s}s) >\$out/crossnode.log 2>&1; echo \$? >\$out/crossnode.rc
+else
+	echo "cross-node forwarding is off on this kernel (meshwarp probe): its tests left out" >\$out/crossnode.log; echo 0 >\$out/crossnode.rc
+fi
 run='$accel_run'
 skip='^\$'
 case "\$(uname -r)" in
@@ -317,7 +334,7 @@ run_vm() {
 		tail -40 "$out/console.log"
 		return 1
 	fi
-	for part in probe probe-tests accel; do
+	for part in probe probe-tests crossnode accel; do
 		rc=$(cat "$out/$part.rc" 2>/dev/null || echo missing)
 		log="$out/$part.log"
 		case $part in
@@ -326,7 +343,7 @@ run_vm() {
 			sed -n '/^FEATURE/,$p' "$log" 2>/dev/null | sed 's/^/    /'
 			;;
 		*)
-			grep -E '^(--- (PASS|FAIL|SKIP|\\(retry\\))|ok|FAIL|PASS|FIONREAD|not supported|retried)' "$log" 2>/dev/null | sed 's/^/    /' || true
+			grep -E '^(--- (PASS|FAIL|SKIP|\\(retry\\))|ok|FAIL|PASS|FIONREAD|not supported|retried|cross-node)' "$log" 2>/dev/null | sed 's/^/    /' || true
 			# The first run and the retry each show their own cause: a
 			# retry's timeout dump must not push the first failure out.
 			sed '/^retried: /q' "$log" >"$out/$part-first.log" 2>/dev/null || true

@@ -66,6 +66,9 @@ type Agent struct {
 	wg     sync.WaitGroup
 	nodes  []*nodeLoop
 	closed bool
+	// The modules the hook functions were last read with (refreshHookFunctions).
+	hookMu      sync.Mutex
+	hookModules string
 }
 
 // linkPinPrefix names the pinned tcx links: mw_xn_link_<netns cookie>_<ifindex>.
@@ -105,7 +108,7 @@ func Start(cfg Config, logger *slog.Logger) (_ *Agent, err error) {
 			a.objs.Close()
 		}
 	}()
-	if _, err := a.loadHookFunctions(); err != nil {
+	if err := a.refreshHookFunctions(); err != nil {
 		return nil, err
 	}
 	ctx, cancel := context.WithCancel(context.Background())

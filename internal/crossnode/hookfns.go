@@ -39,6 +39,49 @@ var hookFunctions = map[string]crossnodeMwXnHookfn{
 	"nf_nat_ipv6_fn":          crossnodeMwXnHookfnMW_XN_HOOKFN_NAT,
 }
 
+// refreshHookFunctions reads the hook functions again when the kernel's
+// modules changed since the last read. Where nf_tables, nf_nat or x_tables
+// are modules, they may load after the agent started (a node's first rules:
+// kube-proxy starting after meshwarp), and their functions are then unknown
+// to the programs until read: the rules behind them would be checked a scan
+// later instead of at the next packet. Every scan calls it before it reads
+// the digest it checks; Start reads them first. Without /proc/modules no
+// module loads later: the first read stands.
+func (a *Agent) refreshHookFunctions() error {
+	mods, _ := os.ReadFile("/proc/modules") // unreadable: as an empty list, read once
+	loaded := loadedModules(mods)
+	a.hookMu.Lock()
+	defer a.hookMu.Unlock()
+	if a.hookModules != "" && loaded == a.hookModules {
+		return nil
+	}
+	if _, err := a.loadHookFunctions(); err != nil {
+		return err
+	}
+	a.hookModules = loaded
+	return nil
+}
+
+// loadedModules names the modules of /proc/modules text with their load
+// addresses ("name size refs deps state address ..."): a module unloaded and
+// loaded again comes back elsewhere. Use counts change all the time and are
+// left out. Never empty, so that "" means "not read yet".
+func loadedModules(text []byte) string {
+	var b strings.Builder
+	b.WriteString("modules:")
+	for _, line := range strings.Split(string(text), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 6 {
+			continue
+		}
+		b.WriteString(f[0])
+		b.WriteByte('@')
+		b.WriteString(f[5])
+		b.WriteByte(' ')
+	}
+	return b.String()
+}
+
 // loadHookFunctions tells the programs where the known hook functions are,
 // from /proc/kallsyms. It returns how many it found: none (kallsyms hidden,
 // kptr_restrict) leaves every hook list known by its entries only.

@@ -81,3 +81,25 @@ func TestPlaceHookFunctions(t *testing.T) {
 		t.Errorf("none found: mult %#x, err %v; want 0, nil", empty.Mult, err)
 	}
 }
+
+// TestLoadedModules: a module loaded, unloaded or loaded again elsewhere
+// changes what refreshHookFunctions compares; a use count does not.
+func TestLoadedModules(t *testing.T) {
+	before := "nf_tables 356352 1 nft_chain_nat, Live 0xffffffffc0a00000\nnf_nat 61440 2 nft_chain_nat, Live 0xffffffffc09e0000\n"
+	used := "nf_tables 356352 7 nft_chain_nat, Live 0xffffffffc0a00000\nnf_nat 61440 3 nft_chain_nat, Live 0xffffffffc09e0000\n"
+	added := before + "nft_chain_nat 12288 1 - Live 0xffffffffc0c10000\n"
+	moved := "nf_tables 356352 1 nft_chain_nat, Live 0xffffffffc0b00000\nnf_nat 61440 2 nft_chain_nat, Live 0xffffffffc09e0000\n"
+	base := loadedModules([]byte(before))
+	if loadedModules([]byte(used)) != base {
+		t.Error("a use count changed the module list")
+	}
+	if loadedModules([]byte(added)) == base {
+		t.Error("a module loaded since did not change the module list")
+	}
+	if loadedModules([]byte(moved)) == base {
+		t.Error("a module loaded again at another address did not change the module list")
+	}
+	if loadedModules(nil) == "" {
+		t.Error("no modules (or /proc/modules unreadable) reads as \"not read yet\": every scan would read kallsyms")
+	}
+}

@@ -34,8 +34,13 @@ func TestPrivilegedLoadsWithoutNetfilterTypes(t *testing.T) {
 			found++
 		}
 	}
-	if found != len(hidden) {
-		t.Fatalf("renamed %d of the %d types: this kernel's BTF does not have them all, the case proves nothing", found, len(hidden))
+	// Where netfilter is built as modules (Debian's kernels), vmlinux's BTF
+	// lacks the types already: the copy is the case as it is.
+	t.Logf("renamed %d of the %d types in vmlinux's BTF (the rest are in modules or absent)", found, len(hidden))
+	for name := range hidden {
+		if _, err := kernel.AnyTypeByName(name); err == nil {
+			t.Fatalf("the types given to the loader still name %s: the case proves nothing", name)
+		}
 	}
 	for _, types := range []*btf.Spec{nil, kernel} {
 		spec, err := loadCrossnode()

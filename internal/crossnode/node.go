@@ -124,7 +124,11 @@ func (n *nodeLoop) scan(ctx context.Context) error {
 	}
 	// The hook lists packets meet now, read before the rulesets: the check
 	// below holds for these lists only (packets that meet others pass at
-	// once; see nf_hooks_ident).
+	// once; see nf_hooks_ident). With the hook functions of modules loaded
+	// since the last scan, so that the rules behind them count from now.
+	if err := n.a.refreshHookFunctions(); err != nil {
+		return err
+	}
 	hooks, err := n.hooksIdent()
 	if err != nil {
 		return err
