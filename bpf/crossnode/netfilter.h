@@ -7,14 +7,14 @@
  * before it reads the node's rulesets. The agent's word (mw_xn_nodes) holds
  * only for the hook lists and rules it checked: nf_hooks_ident digests them,
  * so a rule added since sends packets the normal path at once.
- * Maps owned (not pinned: the agent fills mw_xn_hookfns at start):
+ * Maps owned (not pinned: the agent fills mw_xn_hookfns, again as modules load):
  *   mw_xn_hookfns  ARRAY          hook function address -> enum mw_xn_hookfn, placed by address
  *   mw_xn_scratch  PERCPU_ARRAY   room to read hook lists in
  */
 #ifndef MESHWARP_CROSSNODE_NETFILTER_H
 #define MESHWARP_CROSSNODE_NETFILTER_H
 
-/* The hook functions the agent knows, placed by address (struct mw_xn_hookfn_table), filled at start. */
+/* The hook functions the agent knows, placed by address (struct mw_xn_hookfn_table; hookfns.go). */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
