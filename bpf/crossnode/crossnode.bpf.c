@@ -31,7 +31,8 @@
  *   mw_xn_nodes  HASH      netns cookie   -> mw_xn_node  per node: families on
  *   mw_xn_macs   LRU_HASH  mw_xn_mac_key  -> port ifindex learned from pods
  *   mw_xn_stats  PERCPU_ARRAY            mw_xn_counters
- * and, not pinned, netfilter.h's mw_xn_hookfns and mw_xn_scratch.
+ * and, not pinned, maps.h's mw_xn_dev_slots (mw_xn_devs by ifindex) and
+ * netfilter.h's mw_xn_hookfns and mw_xn_scratch.
  *
  * Where each concern lives:
  *   crossnode.h   types shared with Go (bpf2go -type)

@@ -56,6 +56,17 @@ struct mw_xn_dev {
 };
 
 /*
+ * mw_xn_dev_slots value: a device of mw_xn_devs again, by its ifindex alone
+ * (slot: ifindex modulo MW_XN_DEV_SLOTS), with its key to compare. Empty:
+ * ifindex 0.
+ */
+#define MW_XN_DEV_SLOTS 1024
+struct mw_xn_dev_slot {
+	struct mw_xn_dev_key key;
+	struct mw_xn_dev dev;
+};
+
+/*
  * Families redirection is on for in a node (netfilter allows it), as the
  * agent last checked. Its word is good until valid_until_ns (monotonic
  * clock): an agent that stops checking stops the redirect.

@@ -69,6 +69,7 @@ type Agent struct {
 	// The modules the hook functions were last read with (refreshHookFunctions).
 	hookMu      sync.Mutex
 	hookModules string
+	slotMu      sync.Mutex // mw_xn_dev_slots, shared by the node loops
 }
 
 // linkPinPrefix names the pinned tcx links: mw_xn_link_<netns cookie>_<ifindex>.

@@ -36,6 +36,12 @@ type crossnodeMwXnDevKey struct {
 	Pad         uint32
 }
 
+type crossnodeMwXnDevSlot struct {
+	_   structs.HostLayout
+	Key crossnodeMwXnDevKey
+	Dev crossnodeMwXnDev
+}
+
 type crossnodeMwXnDir uint32
 
 const (
@@ -119,6 +125,7 @@ const (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	crossnodeMapMwXnDevSlots     = "mw_xn_dev_slots"
 	crossnodeMapMwXnDevs         = "mw_xn_devs"
 	crossnodeMapMwXnHookfns      = "mw_xn_hookfns"
 	crossnodeMapMwXnMacs         = "mw_xn_macs"
@@ -185,12 +192,13 @@ type crossnodeProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type crossnodeMapSpecs struct {
-	MwXnDevs    *ebpf.MapSpec `ebpf:"mw_xn_devs"`
-	MwXnHookfns *ebpf.MapSpec `ebpf:"mw_xn_hookfns"`
-	MwXnMacs    *ebpf.MapSpec `ebpf:"mw_xn_macs"`
-	MwXnNodes   *ebpf.MapSpec `ebpf:"mw_xn_nodes"`
-	MwXnScratch *ebpf.MapSpec `ebpf:"mw_xn_scratch"`
-	MwXnStats   *ebpf.MapSpec `ebpf:"mw_xn_stats"`
+	MwXnDevSlots *ebpf.MapSpec `ebpf:"mw_xn_dev_slots"`
+	MwXnDevs     *ebpf.MapSpec `ebpf:"mw_xn_devs"`
+	MwXnHookfns  *ebpf.MapSpec `ebpf:"mw_xn_hookfns"`
+	MwXnMacs     *ebpf.MapSpec `ebpf:"mw_xn_macs"`
+	MwXnNodes    *ebpf.MapSpec `ebpf:"mw_xn_nodes"`
+	MwXnScratch  *ebpf.MapSpec `ebpf:"mw_xn_scratch"`
+	MwXnStats    *ebpf.MapSpec `ebpf:"mw_xn_stats"`
 }
 
 // crossnodeVariableSpecs contains global variables before they are loaded into the kernel.
@@ -223,16 +231,18 @@ func (o *crossnodeObjects) Close() error {
 //
 // It can be passed to loadCrossnodeObjects or ebpf.CollectionSpec.LoadAndAssign.
 type crossnodeMaps struct {
-	MwXnDevs    *ebpf.Map `ebpf:"mw_xn_devs"`
-	MwXnHookfns *ebpf.Map `ebpf:"mw_xn_hookfns"`
-	MwXnMacs    *ebpf.Map `ebpf:"mw_xn_macs"`
-	MwXnNodes   *ebpf.Map `ebpf:"mw_xn_nodes"`
-	MwXnScratch *ebpf.Map `ebpf:"mw_xn_scratch"`
-	MwXnStats   *ebpf.Map `ebpf:"mw_xn_stats"`
+	MwXnDevSlots *ebpf.Map `ebpf:"mw_xn_dev_slots"`
+	MwXnDevs     *ebpf.Map `ebpf:"mw_xn_devs"`
+	MwXnHookfns  *ebpf.Map `ebpf:"mw_xn_hookfns"`
+	MwXnMacs     *ebpf.Map `ebpf:"mw_xn_macs"`
+	MwXnNodes    *ebpf.Map `ebpf:"mw_xn_nodes"`
+	MwXnScratch  *ebpf.Map `ebpf:"mw_xn_scratch"`
+	MwXnStats    *ebpf.Map `ebpf:"mw_xn_stats"`
 }
 
 func (m *crossnodeMaps) Close() error {
 	return _CrossnodeClose(
+		m.MwXnDevSlots,
 		m.MwXnDevs,
 		m.MwXnHookfns,
 		m.MwXnMacs,

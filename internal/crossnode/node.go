@@ -291,6 +291,7 @@ func (n *nodeLoop) syncDevices(d devices) error {
 		br := d.bridges[uint32(l.Attrs().MasterIndex)]
 		want[key(l)] = crossnodeMwXnDev{Kind: uint32(crossnodeMwXnKindMW_XN_KIND_POD), L3Ifindex: uint32(br.Attrs().Index), Mac: macOf(br)}
 	}
+	all := maps.Clone(want)
 	m := n.a.objs.MwXnDevs
 	var k crossnodeMwXnDevKey
 	var v crossnodeMwXnDev
@@ -310,6 +311,9 @@ func (n *nodeLoop) syncDevices(d devices) error {
 			return fmt.Errorf("write mw_xn_devs: %w", err)
 		}
 	}
+	if err := n.syncDevSlots(all, stale); err != nil {
+		return err
+	}
 	for _, k := range stale {
 		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return fmt.Errorf("delete from mw_xn_devs: %w", err)
@@ -325,6 +329,48 @@ func (n *nodeLoop) syncDevices(d devices) error {
 	}
 	for _, k := range gone {
 		_ = n.a.objs.MwXnMacs.Delete(k)
+	}
+	return nil
+}
+
+// syncDevSlots puts the node's devices (all of them, as in mw_xn_devs) in
+// their slots of mw_xn_dev_slots, where the programs look first, and empties
+// the slots of its devices that are gone. A slot that holds another node's
+// device stays that node's: this one is found in mw_xn_devs.
+func (n *nodeLoop) syncDevSlots(all map[crossnodeMwXnDevKey]crossnodeMwXnDev, gone []crossnodeMwXnDevKey) error {
+	slots := n.a.objs.MwXnDevSlots
+	count := slots.MaxEntries()
+	n.a.slotMu.Lock() // node loops share the array
+	defer n.a.slotMu.Unlock()
+	for _, k := range gone {
+		var cur crossnodeMwXnDevSlot
+		idx := k.Ifindex % count
+		if err := slots.Lookup(idx, &cur); err != nil {
+			return fmt.Errorf("read mw_xn_dev_slots: %w", err)
+		}
+		if cur.Key == k {
+			if err := slots.Put(idx, crossnodeMwXnDevSlot{}); err != nil {
+				return fmt.Errorf("write mw_xn_dev_slots: %w", err)
+			}
+		}
+	}
+	for k, dev := range all {
+		var cur crossnodeMwXnDevSlot
+		idx := k.Ifindex % count
+		if err := slots.Lookup(idx, &cur); err != nil {
+			return fmt.Errorf("read mw_xn_dev_slots: %w", err)
+		}
+		want := crossnodeMwXnDevSlot{Key: k, Dev: dev}
+		// Empty, or this node's device that is gone: ours to take. Another
+		// device of this node that is still there keeps it (no churn).
+		_, wanted := all[cur.Key]
+		free := cur.Key.Ifindex == 0 || cur.Key.NetnsCookie == n.cookie && !wanted
+		if cur == want || cur.Key != k && !free {
+			continue
+		}
+		if err := slots.Put(idx, want); err != nil {
+			return fmt.Errorf("write mw_xn_dev_slots: %w", err)
+		}
 	}
 	return nil
 }
