@@ -35,6 +35,8 @@ const volatile __u32 redirect_budget_max_bytes;
  * to net.core.mem_pcpu_rsv pages before it adds them (tcp_memory_tight).
  */
 const volatile __u32 tcp_mem_slack_pages;
+/* The node's possible CPUs (tcp_memory_tight). */
+const volatile __u32 possible_cpus = 1;
 /*
  * A small-message stream: stream_run_msgs messages one way without a message
  * back, averaging fewer bytes than the path's threshold. The redirect pays a

@@ -311,7 +311,7 @@ static __always_inline int skmsg(struct sk_msg_md *msg, bool tap)
 		 */
 		if (c && c->to_tcp && (!still_redirecting(c, st) || switch_point(c, st, sk))) {
 			to_tcp(st, c, c->to_tcp_reason);
-		} else if (over_budget(st, size) || tcp_memory_tight(sk, size, now)) {
+		} else if (over_budget(st, size) || tcp_memory_tight(sk, size, now, cnt)) {
 			/*
 			 * The whole connection goes to TCP, so that its sockets can
 			 * leave: a direction left redirected would keep both in the

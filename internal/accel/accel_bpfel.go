@@ -427,6 +427,7 @@ const (
 	accelVarObsBoundsNs            = "obs_bounds_ns"
 	accelVarObserve                = "observe"
 	accelVarOutboundCapturePort    = "outbound_capture_port"
+	accelVarPossibleCpus           = "possible_cpus"
 	accelVarRedirectBudgetBytes    = "redirect_budget_bytes"
 	accelVarRedirectBudgetMaxBytes = "redirect_budget_max_bytes"
 	accelVarSidecarUid             = "sidecar_uid"
@@ -548,6 +549,7 @@ type accelVariableSpecs struct {
 	ObsBoundsNs            *ebpf.VariableSpec `ebpf:"obs_bounds_ns"`
 	Observe                *ebpf.VariableSpec `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.VariableSpec `ebpf:"outbound_capture_port"`
+	PossibleCpus           *ebpf.VariableSpec `ebpf:"possible_cpus"`
 	RedirectBudgetBytes    *ebpf.VariableSpec `ebpf:"redirect_budget_bytes"`
 	RedirectBudgetMaxBytes *ebpf.VariableSpec `ebpf:"redirect_budget_max_bytes"`
 	SidecarUid             *ebpf.VariableSpec `ebpf:"sidecar_uid"`
@@ -649,6 +651,7 @@ type accelVariables struct {
 	ObsBoundsNs            *ebpf.Variable `ebpf:"obs_bounds_ns"`
 	Observe                *ebpf.Variable `ebpf:"observe"`
 	OutboundCapturePort    *ebpf.Variable `ebpf:"outbound_capture_port"`
+	PossibleCpus           *ebpf.Variable `ebpf:"possible_cpus"`
 	RedirectBudgetBytes    *ebpf.Variable `ebpf:"redirect_budget_bytes"`
 	RedirectBudgetMaxBytes *ebpf.Variable `ebpf:"redirect_budget_max_bytes"`
 	SidecarUid             *ebpf.Variable `ebpf:"sidecar_uid"`

@@ -141,6 +141,7 @@ func dataPathConstants(v *accelVariableSpecs, cfg Config) []constant {
 		{v.RedirectBudgetBytes, cfg.RedirectBudget},
 		{v.RedirectBudgetMaxBytes, uint32(min(uint64(cfg.RedirectBudget)*RedirectBudgetGrowth, math.MaxUint32))},
 		{v.TcpMemSlackPages, tcpMemSlackPages()},
+		{v.PossibleCpus, uint32(possibleCPUs())},
 		{v.StreamRunMsgs, run},
 		{v.StreamSmallBytesLocal, uint32(SmallStreamLocalBytes)},
 		{v.StreamSmallBytesRemote, uint32(SmallStreamRemoteBytes)},
@@ -179,9 +180,15 @@ func tcpMemSlackPages() uint32 {
 			rsv = n
 		}
 	}
+	return uint32(rsv * uint64(possibleCPUs()))
+}
+
+// possibleCPUs is the number of CPUs the kernel may ever run (per-CPU state
+// is kept for each).
+func possibleCPUs() int {
 	cpus, err := ebpf.PossibleCPU()
 	if err != nil {
 		cpus = runtime.NumCPU()
 	}
-	return uint32(rsv * uint64(cpus))
+	return cpus
 }
