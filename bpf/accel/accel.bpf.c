@@ -22,7 +22,7 @@
  *   mw_policy, mw_port_policy, mw_cidr_incl, mw_cidr_excl   policy
  *   mw_cgroup       CGROUP_ARRAY, mw_unfit_procs LRU_HASH     the syscall watches
  *   mw_unfit_progs  LRU_HASH, mw_learned_any ARRAY   learned programs (learning.h)
- *   mw_flows, mw_pair_flows (observe.h); the tap's own, not pinned (tap.h)
+ *   mw_flows, mw_pair_flow_slots, mw_pair_flows (observe.h); the tap's own, not pinned (tap.h)
  *
  * Where each concern lives:
  *   accel.h        types shared with Go (bpf2go -type)

@@ -236,6 +236,20 @@ struct mw_flow {
 	__u64 buckets[MW_OBS_BUCKETS]; /* count of durations <= obs_bounds_ns[i] (not cumulative) */
 };
 
+/* mw_pair_flow_slot.state */
+enum mw_slot_state {
+	MW_SLOT_FREE = 0,
+	MW_SLOT_CLAIMING = 1, /* its key is being written: neither compared nor read */
+	MW_SLOT_HELD = 2,
+};
+
+/* mw_pair_flow_slots value: one CPU's record of a pair flow (key), in the slot its key hashes to. */
+struct mw_pair_flow_slot {
+	enum mw_slot_state state;
+	struct mw_pair_flow_key key;
+	struct mw_flow flow;
+};
+
 /*
  * mw_sock.obs: what the observation knows of one socket, set when it
  * connects or is established (sock_ops), used by the TCP path (cgroup_skb)

@@ -78,6 +78,24 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } mw_pair_flows SEC(".maps");
 
+/*
+ * The same records in the first place, per CPU: a per-CPU array of slots,
+ * a key in the slot its hash picks or the next one, taken for good (a
+ * slot is never freed: the keys are few, an exchange's points, status and
+ * method). An exchange's update is then an array lookup, which the
+ * verifier inlines, not a hash map's call and two more cache lines; a key
+ * that finds both slots taken by others goes to mw_pair_flows. Go adds
+ * both (flows.go).
+ */
+#define MW_PAIR_SLOTS 256
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, MW_PAIR_SLOTS);
+	__type(key, __u32);
+	__type(value, struct mw_pair_flow_slot);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} mw_pair_flow_slots SEC(".maps");
+
 /* The points of mw_pair_flows' records, by content (struct mw_pair_points_key) -> id. */
 #define MW_PAIR_POINTS_MAX 8192
 struct {
@@ -100,6 +118,24 @@ struct {
 
 #define MW_EEXIST 17
 
+/* Add one observation (counted) or bytes to flow record f (this CPU's copy: plain adds, a program does not migrate while it runs). */
+static __always_inline void obs_count(struct mw_flow *f, __u64 d_ns, __u64 bytes, bool counted)
+{
+	__u32 i;
+
+	f->bytes += bytes;
+	if (!counted)
+		return;
+	f->count++;
+	f->sum_ns += d_ns;
+	for (i = 0; i < MW_OBS_BUCKETS - 1; i++) {
+		if (d_ns <= obs_bounds_ns[i])
+			break;
+	}
+	if (i < MW_OBS_BUCKETS)
+		f->buckets[i]++;
+}
+
 /*
  * Add one observation (counted) or bytes to k's flow in flows (mw_flows,
  * or mw_pair_flows with its key); a full map counts in flows_full.
@@ -107,7 +143,6 @@ struct {
 static __always_inline void obs_add_to(void *flows, const void *k, __u64 d_ns, __u64 bytes, bool counted)
 {
 	struct mw_flow zero = {}, *f;
-	__u32 i;
 
 	f = bpf_map_lookup_elem(flows, k);
 	if (!f) {
@@ -124,18 +159,47 @@ static __always_inline void obs_add_to(void *flows, const void *k, __u64 d_ns, _
 		if (!f)
 			return;
 	}
-	/* This CPU's copy: plain adds (a program does not migrate while it runs). */
-	f->bytes += bytes;
-	if (!counted)
-		return;
-	f->count++;
-	f->sum_ns += d_ns;
-	for (i = 0; i < MW_OBS_BUCKETS - 1; i++) {
-		if (d_ns <= obs_bounds_ns[i])
+	obs_count(f, d_ns, bytes, counted);
+}
+
+static __always_inline bool pair_key_eq(const struct mw_pair_flow_key *a, const struct mw_pair_flow_key *b)
+{
+	return a->points == b->points && a->status == b->status && a->method == b->method;
+}
+
+/*
+ * One exchange of a paired connection, of duration d_ns, in k's record:
+ * this CPU's slot for k (mw_pair_flow_slots), else mw_pair_flows. A slot
+ * is claimed and published by compare-and-swap (a full barrier), so that
+ * another program on this CPU (one that preempted this one) never compares
+ * a half-written key, and a reader that sees it held sees its key.
+ */
+static __always_inline void obs_pair_exchange(const struct mw_pair_flow_key *k, __u64 d_ns)
+{
+	__u32 h = (k->points * 0x9e3779b1u) ^ (k->status * 0x85ebca6bu) ^ (k->method * 0xc2b2ae35u);
+	struct mw_pair_flow_slot *s;
+	__u32 i, idx;
+
+	h ^= h >> 16;
+	for (i = 0; i < 2; i++) {
+		idx = (h + i) & (MW_PAIR_SLOTS - 1);
+		s = bpf_map_lookup_elem(&mw_pair_flow_slots, &idx);
+		if (!s)
 			break;
+		if (s->state == MW_SLOT_HELD) {
+			if (!pair_key_eq(&s->key, k))
+				continue;
+		} else if (s->state != MW_SLOT_FREE ||
+			   __sync_val_compare_and_swap(&s->state, MW_SLOT_FREE, MW_SLOT_CLAIMING) != MW_SLOT_FREE) {
+			continue;
+		} else {
+			s->key = *k;
+			__sync_val_compare_and_swap(&s->state, MW_SLOT_CLAIMING, MW_SLOT_HELD);
+		}
+		obs_count(&s->flow, d_ns, 0, true);
+		return;
 	}
-	if (i < MW_OBS_BUCKETS)
-		f->buckets[i]++;
+	obs_add_to(&mw_pair_flows, k, d_ns, 0, true);
 }
 
 static __always_inline void obs_add(const struct mw_flow_key *k, __u64 d_ns, __u64 bytes, bool counted)
@@ -570,7 +634,7 @@ static __always_inline void obs_msg(struct sk_msg_md *msg, struct mw_sk_state *s
 			k.status = status;
 			k.method = c->obs.req_method;
 			if (k.points)
-				obs_add_to(&mw_pair_flows, &k, d, 0, true);
+				obs_pair_exchange(&k, d);
 		}
 	}
 	/* Each socket counts what it sent, and adds what its peer sent when it flushes. */

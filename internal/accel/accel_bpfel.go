@@ -166,6 +166,13 @@ type accelMwPairFlowKey struct {
 	Method accelMwMethod
 }
 
+type accelMwPairFlowSlot struct {
+	_     structs.HostLayout
+	State accelMwSlotState
+	Key   accelMwPairFlowKey
+	Flow  accelMwFlow
+}
+
 type accelMwPairPointsKey struct {
 	_             structs.HostLayout
 	ActiveNetns   uint64
@@ -270,6 +277,14 @@ type accelMwSkState struct {
 	Left        uint8
 	Pad         uint8
 }
+
+type accelMwSlotState uint32
+
+const (
+	accelMwSlotStateMW_SLOT_FREE     accelMwSlotState = 0
+	accelMwSlotStateMW_SLOT_CLAIMING accelMwSlotState = 1
+	accelMwSlotStateMW_SLOT_HELD     accelMwSlotState = 2
+)
 
 type accelMwSock struct {
 	_    structs.HostLayout
@@ -381,6 +396,7 @@ const (
 	accelMapMwLearnedAny           = "mw_learned_any"
 	accelMapMwLeaveClock           = "mw_leave_clock"
 	accelMapMwLeavePolls           = "mw_leave_polls"
+	accelMapMwPairFlowSlots        = "mw_pair_flow_slots"
 	accelMapMwPairFlows            = "mw_pair_flows"
 	accelMapMwPairIds              = "mw_pair_ids"
 	accelMapMwPairPoints           = "mw_pair_points"
@@ -519,6 +535,7 @@ type accelMapSpecs struct {
 	MwLearnedAny    *ebpf.MapSpec `ebpf:"mw_learned_any"`
 	MwLeaveClock    *ebpf.MapSpec `ebpf:"mw_leave_clock"`
 	MwLeavePolls    *ebpf.MapSpec `ebpf:"mw_leave_polls"`
+	MwPairFlowSlots *ebpf.MapSpec `ebpf:"mw_pair_flow_slots"`
 	MwPairFlows     *ebpf.MapSpec `ebpf:"mw_pair_flows"`
 	MwPairIds       *ebpf.MapSpec `ebpf:"mw_pair_ids"`
 	MwPairPoints    *ebpf.MapSpec `ebpf:"mw_pair_points"`
@@ -591,6 +608,7 @@ type accelMaps struct {
 	MwLearnedAny    *ebpf.Map `ebpf:"mw_learned_any"`
 	MwLeaveClock    *ebpf.Map `ebpf:"mw_leave_clock"`
 	MwLeavePolls    *ebpf.Map `ebpf:"mw_leave_polls"`
+	MwPairFlowSlots *ebpf.Map `ebpf:"mw_pair_flow_slots"`
 	MwPairFlows     *ebpf.Map `ebpf:"mw_pair_flows"`
 	MwPairIds       *ebpf.Map `ebpf:"mw_pair_ids"`
 	MwPairPoints    *ebpf.Map `ebpf:"mw_pair_points"`
@@ -620,6 +638,7 @@ func (m *accelMaps) Close() error {
 		m.MwLearnedAny,
 		m.MwLeaveClock,
 		m.MwLeavePolls,
+		m.MwPairFlowSlots,
 		m.MwPairFlows,
 		m.MwPairIds,
 		m.MwPairPoints,

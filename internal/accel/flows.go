@@ -100,28 +100,29 @@ func ReadPinnedFlows(pinDir string) ([]Flow, error) {
 	if obs, err := Observing(pinDir); err != nil || !obs {
 		return nil, fmt.Errorf("the meshwarp agent at %s does not observe: restart it without --observe=false", pinDir)
 	}
-	var pair [2]*ebpf.Map
-	for i, name := range []string{accelMapMwPairFlows, accelMapMwPairPoints} {
+	var pair [3]*ebpf.Map
+	for i, name := range []string{accelMapMwPairFlows, accelMapMwPairFlowSlots, accelMapMwPairPoints} {
 		pair[i], err = ebpf.LoadPinnedMap(filepath.Join(pinDir, name), &ebpf.LoadPinOptions{ReadOnly: true})
 		if err != nil {
 			return nil, fmt.Errorf("the meshwarp agent at %s has no %s: it comes from another meshwarp build (%w)", pinDir, name, errors.Unwrap(err))
 		}
 		defer pair[i].Close()
 	}
-	return readFlows(m, pair[0], pair[1])
+	return readFlows(m, pair[0], pair[1], pair[2])
 }
 
 // Flows reads the agent's observation.
 func (a *Agent) Flows() ([]Flow, error) {
-	return readFlows(a.objs.MwFlows, a.objs.MwPairFlows, a.objs.MwPairPoints)
+	return readFlows(a.objs.MwFlows, a.objs.MwPairFlows, a.objs.MwPairFlowSlots, a.objs.MwPairPoints)
 }
 
 // readFlows sums each record's per-CPU copies. A record of pairs (one
 // exchange of a paired connection, seen at the points of both its sockets,
 // whose id points gives) is a flow at each of the two points, added to any
 // mw_flows record of the same flow (a connection's exchanges after it went
-// to TCP).
-func readFlows(flows, pairs, points *ebpf.Map) ([]Flow, error) {
+// to TCP). A pair record is in mw_pair_flows, or in a slot of
+// mw_pair_flow_slots on some CPUs and in mw_pair_flows on others: both add.
+func readFlows(flows, pairs, slots, points *ebpf.Map) ([]Flow, error) {
 	sums := map[accelMwFlowKey]*accelMwFlow{}
 	add := func(k accelMwFlowKey, perCPU []accelMwFlow) {
 		v := sums[k]
@@ -155,11 +156,27 @@ func readFlows(flows, pairs, points *ebpf.Map) ([]Flow, error) {
 	pairRecords := map[accelMwPairFlowKey][]accelMwFlow{}
 	it = pairs.Iterate()
 	for it.Next(&pk, &perCPU) {
-		pairRecords[pk] = perCPU
+		pairRecords[pk] = append(pairRecords[pk], perCPU...)
 		perCPU = nil
 	}
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("read %s: %w", accelMapMwPairFlows, err)
+	}
+	var (
+		slot    uint32
+		perSlot []accelMwPairFlowSlot
+	)
+	it = slots.Iterate()
+	for it.Next(&slot, &perSlot) {
+		for _, s := range perSlot {
+			// Points 0 is no id (pair_points' failure): a key not seen whole.
+			if s.State == accelMwSlotStateMW_SLOT_HELD && s.Key.Points != 0 {
+				pairRecords[s.Key] = append(pairRecords[s.Key], s.Flow)
+			}
+		}
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("read %s: %w", accelMapMwPairFlowSlots, err)
 	}
 	byID := map[uint32]accelMwPairPointsKey{}
 	var (

@@ -3,6 +3,7 @@
 package accel
 
 import (
+	"fmt"
 	"io"
 	"math"
 	"net/netip"
@@ -158,4 +159,95 @@ func TestPrivilegedPairPointsIDsSurviveRestart(t *testing.T) {
 			t.Errorf("server %s: exchanges at %d points, want 2 (client and server)", w.server, points)
 		}
 	}
+}
+
+// A paired connection's exchanges go to this CPU's slot for their key
+// (mw_pair_flow_slots) or, where both slots the key may take hold other
+// keys, to mw_pair_flows. With more keys than slots (one per status code
+// from 200 to 599, each answered twice) both paths record, and every
+// status is counted exactly, at both points.
+func TestPrivilegedPairFlowsBeyondTheSlots(t *testing.T) {
+	testutil.RequirePrivileged(t)
+	a := startAgent(t, Config{Observe: true})
+	const first, last, each = 200, 599, 2
+	if keys := last - first + 1; keys <= int(a.objs.MwPairFlowSlots.MaxEntries()) {
+		t.Fatalf("%d keys do not fill %d slots", keys, a.objs.MwPairFlowSlots.MaxEntries())
+	}
+	ln := mustListen(t, "127.0.0.1:0")
+	defer ln.Close()
+	client, server := pairedConn(t, a, ln, dialer(ln.Addr().String()))
+	defer client.Close()
+	defer server.Close()
+	req := []byte("GET /status HTTP/1.1\r\nHost: meshwarp\r\n\r\n")
+	buf := make([]byte, 64)
+	for status := first; status <= last; status++ {
+		resp := []byte(fmt.Sprintf("HTTP/1.1 %d X\r\nContent-Length: 0\r\n\r\n", status))
+		for range each {
+			if _, err := client.Write(req); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := io.ReadFull(server, buf[:len(req)]); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := server.Write(resp); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := io.ReadFull(client, buf[:len(resp)]); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	flows, err := a.Flows()
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := netip.MustParseAddrPort(ln.Addr().String())
+	byStatus := map[int]map[string]uint64{}
+	for _, f := range flows {
+		if f.Server != addr || f.Proto != "http" || !f.Accelerated {
+			continue
+		}
+		if byStatus[f.Status] == nil {
+			byStatus[f.Status] = map[string]uint64{}
+		}
+		byStatus[f.Status][f.Point] += f.Count
+	}
+	for status := first; status <= last; status++ {
+		got := byStatus[status]
+		ok := len(got) == 2
+		for _, n := range got {
+			ok = ok && n == each
+		}
+		if !ok {
+			t.Errorf("status %d: exchanges by point %v, want %d at each of two points (client and server)", status, got, each)
+		}
+	}
+	// Both paths took records: the slots, and the hash past them.
+	var (
+		pk     accelMwPairFlowKey
+		perCPU []accelMwFlow
+		hashed int
+	)
+	for it := a.objs.MwPairFlows.Iterate(); it.Next(&pk, &perCPU); {
+		hashed++
+	}
+	if hashed == 0 {
+		t.Errorf("no record in %s: the keys past the slots were not recorded there", accelMapMwPairFlows)
+	}
+	var (
+		slot    uint32
+		perSlot []accelMwPairFlowSlot
+		held    int
+	)
+	for it := a.objs.MwPairFlowSlots.Iterate(); it.Next(&slot, &perSlot); {
+		for _, s := range perSlot {
+			if s.State == accelMwSlotStateMW_SLOT_HELD {
+				held++
+			}
+		}
+	}
+	if held == 0 {
+		t.Errorf("no slot of %s held", accelMapMwPairFlowSlots)
+	}
+	t.Logf("%d slots held, %d records in %s", held, hashed, accelMapMwPairFlows)
 }
