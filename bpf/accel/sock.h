@@ -195,9 +195,10 @@ static __u64 tcp_mem_seen;
 /*
  * What one CPU's redirects may have added to the node's TCP memory since
  * the last reading: under 64 KiB without a reading, and the message
- * charged just after one (at most MAX_SKB_FRAGS pages, up to 45).
+ * charged just after one (at most MAX_SKB_FRAGS, up to 45, page fragments
+ * of up to 32 KiB: 1.4 MiB). 2 MiB in pages.
  */
-#define MW_MEM_UNSEEN_PAGES_PER_CPU 64
+#define MW_MEM_UNSEEN_PAGES_PER_CPU 512
 
 /*
  * Whether the redirect's receive charge (bpf_tcp_ingress on the receiver:
