@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net"
 	"net/netip"
 	"testing"
 
@@ -105,21 +106,7 @@ func TestPrivilegedPairPointsIDsSurviveRestart(t *testing.T) {
 		defer server.Close()
 		req := []byte("GET /points HTTP/1.1\r\nHost: meshwarp\r\n\r\n")
 		resp := []byte("HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-		buf := make([]byte, max(len(req), len(resp)))
-		for range n {
-			if _, err := client.Write(req); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := io.ReadFull(server, buf[:len(req)]); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := server.Write(resp); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := io.ReadFull(client, buf[:len(resp)]); err != nil {
-				t.Fatal(err)
-			}
-		}
+		httpExchanges(t, client, server, req, resp, n)
 		return netip.MustParseAddrPort(ln.Addr().String())
 	}
 	const beforeN, afterN = 3, 5
@@ -179,23 +166,9 @@ func TestPrivilegedPairFlowsBeyondTheSlots(t *testing.T) {
 	defer client.Close()
 	defer server.Close()
 	req := []byte("GET /status HTTP/1.1\r\nHost: meshwarp\r\n\r\n")
-	buf := make([]byte, 64)
 	for status := first; status <= last; status++ {
 		resp := []byte(fmt.Sprintf("HTTP/1.1 %d X\r\nContent-Length: 0\r\n\r\n", status))
-		for range each {
-			if _, err := client.Write(req); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := io.ReadFull(server, buf[:len(req)]); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := server.Write(resp); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := io.ReadFull(client, buf[:len(resp)]); err != nil {
-				t.Fatal(err)
-			}
-		}
+		httpExchanges(t, client, server, req, resp, each)
 	}
 	flows, err := a.Flows()
 	if err != nil {
@@ -250,4 +223,25 @@ func TestPrivilegedPairFlowsBeyondTheSlots(t *testing.T) {
 		t.Errorf("no slot of %s held", accelMapMwPairFlowSlots)
 	}
 	t.Logf("%d slots held, %d records in %s", held, hashed, accelMapMwPairFlows)
+}
+
+// httpExchanges has the client send req and the server answer resp, n times
+// in turn, each read in full by the other side.
+func httpExchanges(t *testing.T, client, server net.Conn, req, resp []byte, n int) {
+	t.Helper()
+	buf := make([]byte, max(len(req), len(resp)))
+	for range n {
+		if _, err := client.Write(req); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(server, buf[:len(req)]); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := server.Write(resp); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(client, buf[:len(resp)]); err != nil {
+			t.Fatal(err)
+		}
+	}
 }
