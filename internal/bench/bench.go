@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -172,6 +173,13 @@ type Options struct {
 	// connection the agent cannot pair (what it costs traffic it does not
 	// accelerate, such as connections to other hosts).
 	QperfUnpaired bool
+	// QperfCPU, when set, runs qperf's client and server (qperf -ca) and
+	// both ends of the unix floor on this one CPU: every wakeup is then on
+	// the CPU that is already running, and latency measures the path rather
+	// than waking another CPU (on a VM, waking a halted vCPU can cost more
+	// than the whole path). Bandwidth then shares one CPU between writer and
+	// reader.
+	QperfCPU *int
 	// NoBPFStats skips the profiling pass (the only runs with the kernel's
 	// BPF run-time statistics on): no agent BPF CPU time in the report.
 	NoBPFStats bool
@@ -238,6 +246,14 @@ func (o *Options) Normalize() error {
 	var errs []error
 	if o.Duration < 100*time.Millisecond {
 		errs = append(errs, fmt.Errorf("--duration %v: must be at least 100ms", o.Duration))
+	}
+	if o.QperfCPU != nil {
+		if n := runtime.NumCPU(); *o.QperfCPU < 0 || *o.QperfCPU >= n {
+			errs = append(errs, fmt.Errorf("--qperf-cpu %d: this machine has CPUs 0 to %d; give one of them", *o.QperfCPU, n-1))
+		}
+		if !o.hasWorkload(WorkloadQperf) && !o.hasWorkload(WorkloadUnix) {
+			errs = append(errs, errors.New("--qperf-cpu pins qperf and the unix floor: add qperf or unix to --workloads"))
+		}
 	}
 	if o.QperfDuration < time.Second {
 		errs = append(errs, fmt.Errorf("qperf duration %v: must be at least 1s (qperf counts whole seconds)", o.QperfDuration))

@@ -173,6 +173,7 @@ type Config struct {
 	QperfTarget            string   `json:"qperf_target,omitempty"`
 	QperfLoopback          bool     `json:"qperf_loopback,omitempty"`
 	QperfUnpaired          bool     `json:"qperf_unpaired,omitempty"`
+	QperfCPU               *int     `json:"qperf_cpu,omitempty"`
 	Quick                  bool     `json:"quick"`
 	ObserveReads           bool     `json:"observe_reads,omitempty"`
 	Interleaving           string   `json:"interleaving"`

@@ -5,6 +5,7 @@ package bench
 import (
 	"bytes"
 	"encoding/json"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -249,6 +250,9 @@ func TestNormalizeRejects(t *testing.T) {
 		{Repeat: -1},
 		{Duration: time.Millisecond},
 		{Sizes: []int{0}},
+		{Workloads: []string{WorkloadQperf}, QperfCPU: new(-1)},
+		{Workloads: []string{WorkloadQperf}, QperfCPU: new(runtime.NumCPU())},
+		{Workloads: []string{WorkloadHTTP}, QperfCPU: new(0)}, // nothing to pin
 	} {
 		if err := o.Normalize(); err == nil {
 			t.Errorf("Normalize accepted %+v", o)

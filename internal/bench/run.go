@@ -607,6 +607,7 @@ func (r *runner) config() Config {
 		c.QperfTarget = netip.AddrPortFrom(r.qperfHost(), uint16(listen)).String()
 		c.QperfLoopback = o.QperfLoopback
 		c.QperfUnpaired = o.QperfUnpaired
+		c.QperfCPU = o.QperfCPU
 		for _, m := range o.Modes {
 			if !(ModeCapture(m) && r.qperfCaptureBroken) {
 				c.QperfModes = append(c.QperfModes, m)

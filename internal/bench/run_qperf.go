@@ -56,6 +56,9 @@ func (r *runner) qperfArgs(test string, size int) []string {
 	if data != 0 {
 		args = append(args, "-ip", strconv.Itoa(data))
 	}
+	if r.opts.QperfCPU != nil {
+		args = append(args, "-ca", strconv.Itoa(*r.opts.QperfCPU))
+	}
 	return append(args, "-t", strconv.Itoa(int(r.opts.QperfDuration.Seconds())),
 		"-m", strconv.Itoa(size), "-uu", "-v", test)
 }
@@ -172,6 +175,7 @@ func (r *runner) runUnix(ctx context.Context, rep int) error {
 		Workload:        WorkloadUnix,
 		DurationSeconds: r.opts.QperfDuration.Seconds(),
 		SizesBytes:      r.opts.Sizes,
+		CPU:             r.opts.QperfCPU,
 	}
 	timeout := time.Duration(2*len(r.opts.Sizes))*r.opts.QperfDuration + 60*time.Second
 	res, _, err := r.runWorker(ctx, spec, timeout)

@@ -355,3 +355,20 @@ func TestRunCostWorkloadsOnLoopback(t *testing.T) {
 		}
 	}
 }
+
+// --qperf-cpu puts qperf's client and server on one CPU (qperf -ca), and
+// the report says so; without it qperf is not pinned.
+func TestQperfCPUPinsBothSides(t *testing.T) {
+	env := newLoopEnv(t)
+	for _, cpu := range []*int{nil, new(1)} {
+		r := &runner{opts: Options{QperfDuration: time.Second, QperfCPU: cpu}, env: env}
+		args := strings.Join(r.qperfArgs("tcp_lat", 64), " ")
+		if pinned := strings.Contains(args, " -ca 1 "); pinned != (cpu != nil) {
+			t.Errorf("CPU %v: qperf args %q", cpu, args)
+		}
+		where := qperfWhere(Config{QperfCPU: cpu})
+		if strings.Contains(where, "on CPU 1") != (cpu != nil) {
+			t.Errorf("CPU %v: the report says %q", cpu, where)
+		}
+	}
+}

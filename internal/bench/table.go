@@ -425,5 +425,8 @@ func qperfWhere(c Config) string {
 	if c.QperfUnpaired {
 		where += ", server outside the agent's cgroup (not pairable)"
 	}
+	if c.QperfCPU != nil {
+		where += fmt.Sprintf(", client and server on CPU %d", *c.QperfCPU)
+	}
 	return where
 }

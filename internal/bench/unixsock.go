@@ -18,7 +18,7 @@ import (
 // way two local processes can exchange bytes. Both ends use blocking
 // read(2)/write(2) on goroutines locked to their own OS threads, like qperf's
 // client and server, so the comparison with qperf is about the path, not the
-// I/O model.
+// I/O model. With a CPU given, both threads run on it, as qperf -ca does.
 
 // UnixResult is one size of the AF_UNIX floor, in qperf's terms.
 type UnixResult struct {
@@ -38,8 +38,9 @@ type UnixResult struct {
 }
 
 // UnixPingPong sends size-byte messages back and forth over a socketpair for
-// d and returns the one-way latency and message rate.
-func UnixPingPong(ctx context.Context, size int, d time.Duration) (UnixResult, error) {
+// d and returns the one-way latency and message rate; cpu, when set, is the
+// CPU both ends run on.
+func UnixPingPong(ctx context.Context, size int, d time.Duration, cpu *int) (UnixResult, error) {
 	r := UnixResult{MsgSizeBytes: int64(size)}
 	fds, err := socketpair()
 	if err != nil {
@@ -60,7 +61,7 @@ func UnixPingPong(ctx context.Context, size int, d time.Duration) (UnixResult, e
 	}()
 
 	echoErr := make(chan error, 1)
-	goOnThread(func() {
+	if err := goOnThread(cpu, func() {
 		buf := make([]byte, size)
 		for {
 			if err := readFull(fds[1], buf); err != nil {
@@ -72,9 +73,14 @@ func UnixPingPong(ctx context.Context, size int, d time.Duration) (UnixResult, e
 				return
 			}
 		}
-	})
+	}); err != nil {
+		return r, err
+	}
 
-	stop, release := onThreadUntil(ctx, d)
+	stop, release, err := onThreadUntil(ctx, d, cpu)
+	if err != nil {
+		return r, err
+	}
 	defer release()
 	buf := make([]byte, size)
 	start := time.Now()
@@ -107,8 +113,8 @@ func UnixPingPong(ctx context.Context, size int, d time.Duration) (UnixResult, e
 
 // UnixStream writes size-byte messages one way over a socketpair for d and
 // returns the bandwidth seen by the reader (which reads size bytes at a
-// time, as qperf's tcp_bw receiver does).
-func UnixStream(ctx context.Context, size int, d time.Duration) (UnixResult, error) {
+// time, as qperf's tcp_bw receiver does); cpu as in UnixPingPong.
+func UnixStream(ctx context.Context, size int, d time.Duration, cpu *int) (UnixResult, error) {
 	r := UnixResult{MsgSizeBytes: int64(size)}
 	fds, err := socketpair()
 	if err != nil {
@@ -125,7 +131,7 @@ func UnixStream(ctx context.Context, size int, d time.Duration) (UnixResult, err
 		err     error
 	}
 	done := make(chan readRes, 1)
-	goOnThread(func() {
+	if err := goOnThread(cpu, func() {
 		buf := make([]byte, size)
 		var total int64
 		start := time.Now()
@@ -143,9 +149,16 @@ func UnixStream(ctx context.Context, size int, d time.Duration) (UnixResult, err
 				return
 			}
 		}
-	})
+	}); err != nil {
+		return r, err
+	}
 
-	stop, release := onThreadUntil(ctx, d)
+	stop, release, err := onThreadUntil(ctx, d, cpu)
+	if err != nil {
+		_ = unix.Shutdown(fds[0], unix.SHUT_WR)
+		<-done
+		return r, err
+	}
 	defer release()
 	buf := make([]byte, size)
 	var werr error
@@ -183,25 +196,56 @@ func socketpair() ([2]int, error) {
 	return fds, nil
 }
 
-// goOnThread runs one end on a goroutine locked to its own OS thread.
-func goOnThread(end func()) {
+// goOnThread runs one end on a goroutine locked to its own OS thread (on
+// cpu, when set); an error means end did not start.
+func goOnThread(cpu *int, end func()) error {
+	pinned := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()
 		defer runtime.UnlockOSThread()
+		unpin, err := pinThread(cpu)
+		pinned <- err
+		if err != nil {
+			return
+		}
+		defer unpin()
 		end()
 	}()
+	return <-pinned
 }
 
 // onThreadUntil locks the calling goroutine (the other end) to its OS thread
-// and returns a flag that turns true after d or when ctx ends: the hot loops
-// poll it instead of calling time.Now per message. release stops the timers
-// and unlocks the thread.
-func onThreadUntil(ctx context.Context, d time.Duration) (*atomic.Bool, func()) {
+// (on cpu, when set) and returns a flag that turns true after d or when ctx
+// ends: the hot loops poll it instead of calling time.Now per message.
+// release stops the timers and unpins and unlocks the thread.
+func onThreadUntil(ctx context.Context, d time.Duration, cpu *int) (*atomic.Bool, func(), error) {
 	runtime.LockOSThread()
+	unpin, err := pinThread(cpu)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return nil, nil, err
+	}
 	var f atomic.Bool
 	t := time.AfterFunc(d, func() { f.Store(true) })
 	unregister := context.AfterFunc(ctx, func() { f.Store(true) })
-	return &f, func() { t.Stop(); unregister(); runtime.UnlockOSThread() }
+	return &f, func() { t.Stop(); unregister(); unpin(); runtime.UnlockOSThread() }, nil
+}
+
+// pinThread runs the calling (locked) thread on cpu, if set, until unpin
+// gives it back the CPUs it had.
+func pinThread(cpu *int) (unpin func(), err error) {
+	if cpu == nil {
+		return func() {}, nil
+	}
+	var was, on unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &was); err != nil {
+		return nil, fmt.Errorf("read this thread's CPUs: %w", err)
+	}
+	on.Set(*cpu)
+	if err := unix.SchedSetaffinity(0, &on); err != nil {
+		return nil, fmt.Errorf("run on CPU %d: %w (is it in this process's cpuset?)", *cpu, err)
+	}
+	return func() { _ = unix.SchedSetaffinity(0, &was) }, nil
 }
 
 var errPeerClosed = errors.New("peer closed")

@@ -107,6 +107,8 @@ type WorkerSpec struct {
 	DisableKeepAlive bool `json:"disable_keepalive,omitempty"`
 	// SizesBytes are the message sizes of the unix floor.
 	SizesBytes []int `json:"sizes_bytes,omitempty"`
+	// CPU, when set, runs both ends of the unix floor on this CPU (Options.QperfCPU).
+	CPU *int `json:"cpu,omitempty"`
 }
 
 // WorkerResult is what the worker measured.
@@ -263,12 +265,12 @@ func runUnixFloor(ctx context.Context, spec WorkerSpec) (WorkerResult, error) {
 	start := time.Now()
 	for _, size := range spec.SizesBytes {
 		cpu0 := processCPUSeconds()
-		lat, err := UnixPingPong(ctx, size, d)
+		lat, err := UnixPingPong(ctx, size, d, spec.CPU)
 		if err != nil {
 			return res, fmt.Errorf("unix ping-pong %d bytes: %w", size, err)
 		}
 		cpu1 := processCPUSeconds()
-		bw, err := UnixStream(ctx, size, d)
+		bw, err := UnixStream(ctx, size, d, spec.CPU)
 		if err != nil {
 			return res, fmt.Errorf("unix stream %d bytes: %w", size, err)
 		}

@@ -9,12 +9,15 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"fortio.org/fortio/fhttp"
 	"fortio.org/fortio/fnet"
 	flog "fortio.org/log"
+	"golang.org/x/sys/unix"
 )
 
 // The worker against fortio servers on loopback (no lab, no root): the
@@ -89,11 +92,52 @@ func TestWorkerUnixFloor(t *testing.T) {
 func TestUnixFloorStopsOnCancel(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if _, err := UnixPingPong(ctx, 64, 1e12); err == nil {
+	if _, err := UnixPingPong(ctx, 64, 1e12, nil); err == nil {
 		t.Error("ping-pong with a done context succeeded")
 	}
-	if _, err := UnixStream(ctx, 64, 1e12); err == nil {
+	if _, err := UnixStream(ctx, 64, 1e12, nil); err == nil {
 		t.Error("stream with a done context succeeded")
+	}
+}
+
+// --qperf-cpu's floor: both ends on one CPU, and the calling thread gets
+// its CPUs back afterwards; a CPU it may not use is an error, not a hang.
+func TestUnixFloorOnOneCPU(t *testing.T) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var before unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &before); err != nil {
+		t.Fatal(err)
+	}
+	cpu := runtime.NumCPU() - 1
+	unpin, err := pinThread(&cpu)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var on unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &on); err != nil || on.Count() != 1 || !on.IsSet(cpu) {
+		t.Fatalf("pinned to CPU %d: set %v (%d CPUs), %v", cpu, on, on.Count(), err)
+	}
+	unpin()
+	for _, run := range []func() (UnixResult, error){
+		func() (UnixResult, error) { return UnixPingPong(context.Background(), 64, 100*time.Millisecond, &cpu) },
+		func() (UnixResult, error) { return UnixStream(context.Background(), 64, 100*time.Millisecond, &cpu) },
+	} {
+		res, err := run()
+		if err != nil || (res.RoundTrips == 0 && res.StreamBytes == 0) {
+			t.Fatalf("pinned floor: %+v, %v", res, err)
+		}
+		var after unix.CPUSet
+		if err := unix.SchedGetaffinity(0, &after); err != nil || after != before {
+			t.Fatalf("the caller's CPUs after a pinned run: %v, want %v (%v)", after, before, err)
+		}
+	}
+	bad := 1 << 20
+	if _, err := UnixPingPong(context.Background(), 64, time.Second, &bad); err == nil {
+		t.Error("ping-pong on a CPU that does not exist succeeded")
+	}
+	if _, err := UnixStream(context.Background(), 64, time.Second, &bad); err == nil {
+		t.Error("stream on a CPU that does not exist succeeded")
 	}
 }
 

@@ -25,6 +25,7 @@ type benchFlags struct {
 	duration      time.Duration
 	qperfDuration time.Duration
 	qperfLoopback bool
+	qperfCPU      int
 	qperfUnpaired bool
 	bpfStats      bool
 	observeReads  bool
@@ -113,6 +114,8 @@ direct pod-to-pod traffic cross the nodes; app-to-sidecar hops stay on a node.`,
 	fl.IntVar(&f.connections, "connections", bench.DefaultConnections, "fortio connections (http, tcp)")
 	fl.IntVar(&f.closeConns, "close-connections", bench.DefaultCloseConnections, "fortio connections of http-close (each request on a new connection)")
 	fl.BoolVar(&f.qperfLoopback, "qperf-loopback", false, "run qperf between two sockets of the server pod over 127.0.0.1 (same netns) instead of pod to pod")
+	fl.IntVar(&f.qperfCPU, "qperf-cpu", -1, "run qperf's client and server, and both ends of the unix floor, on this one CPU (qperf -ca): latency then measures the path, "+
+		"not a wakeup across CPUs, which on a VM (waking a halted vCPU) can cost more than the whole path; bandwidth then shares that CPU (default: not pinned)")
 	fl.BoolVar(&f.bpfStats, "bpf-stats", true, "after the measured repeats, profile each agent mode and workload with the kernel's BPF run-time statistics on, for the agent's BPF CPU per program, request and message (--bpf-stats=false: no profiling pass)")
 	fl.BoolVar(&f.observeReads, "observe-reads", false, "the measured runs' observing agents also record client applications' reads, as while `meshwarp trace` runs (a tracepoint on every read of the node, which `meshwarp run` does not attach: the ratios then include its cost). The breakdown's first segment (client_app) comes from the profiling pass either way")
 	fl.BoolVar(&f.qperfUnpaired, "qperf-unpaired", false, "run qperf against a server outside the lab cgroup: a connection meshwarp cannot pair "+
@@ -157,6 +160,9 @@ func runBench(cmd *cobra.Command, g *cli.Global, f *benchFlags) error {
 	opts.Nodes = f.nodes
 	opts.QperfLoopback = f.qperfLoopback
 	opts.QperfUnpaired = f.qperfUnpaired
+	if fl.Changed("qperf-cpu") {
+		opts.QperfCPU = &f.qperfCPU
+	}
 	opts.NoBPFStats = !f.bpfStats
 	opts.ObserveReads = f.observeReads
 
