@@ -17,11 +17,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/meshwarp/meshwarp/internal/lab"
 )
@@ -248,8 +249,10 @@ func (o *Options) Normalize() error {
 		errs = append(errs, fmt.Errorf("--duration %v: must be at least 100ms", o.Duration))
 	}
 	if o.QperfCPU != nil {
-		if n := runtime.NumCPU(); *o.QperfCPU < 0 || *o.QperfCPU >= n {
-			errs = append(errs, fmt.Errorf("--qperf-cpu %d: this machine has CPUs 0 to %d; give one of them", *o.QperfCPU, n-1))
+		// The CPUs this process may use (a container's cpuset may leave out CPU 0).
+		var allowed unix.CPUSet
+		if err := unix.SchedGetaffinity(0, &allowed); err == nil && (*o.QperfCPU < 0 || !allowed.IsSet(*o.QperfCPU)) {
+			errs = append(errs, fmt.Errorf("--qperf-cpu %d: not a CPU this process may run on; give one of %s", *o.QperfCPU, cpuList(allowed)))
 		}
 		if !o.hasWorkload(WorkloadQperf) && !o.hasWorkload(WorkloadUnix) {
 			errs = append(errs, errors.New("--qperf-cpu pins qperf and the unix floor: add qperf or unix to --workloads"))
@@ -326,3 +329,24 @@ func dedup[T comparable](xs []T) []T {
 
 // hasWorkload reports whether w is selected.
 func (o *Options) hasWorkload(w string) bool { return slices.Contains(o.Workloads, w) }
+
+// cpuList names the CPUs of set, as "0-3,6".
+func cpuList(set unix.CPUSet) string {
+	var parts []string
+	for cpu, n := 0, len(set)*64; cpu < n; cpu++ {
+		if !set.IsSet(cpu) {
+			continue
+		}
+		last := cpu
+		for last+1 < n && set.IsSet(last+1) {
+			last++
+		}
+		if last == cpu {
+			parts = append(parts, strconv.Itoa(cpu))
+		} else {
+			parts = append(parts, fmt.Sprintf("%d-%d", cpu, last))
+		}
+		cpu = last
+	}
+	return strings.Join(parts, ",")
+}

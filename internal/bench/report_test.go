@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/santhosh-tekuri/jsonschema/v6"
+	"golang.org/x/sys/unix"
 
 	"github.com/meshwarp/meshwarp/internal/accel"
 	"github.com/meshwarp/meshwarp/internal/observe"
@@ -326,5 +327,24 @@ func TestProfilingOnlyProgramOutOfTotals(t *testing.T) {
 	if len(lines) != 2 || strings.Contains(lines[0], accel.ReadObserverProgram) || !strings.Contains(lines[0], "all programs: 2000 ns") ||
 		!strings.Contains(lines[1], accel.ReadObserverProgram) || !strings.Contains(lines[1], "in no total") {
 		t.Errorf("program lines %q", lines)
+	}
+}
+
+// --qperf-cpu's error names the CPUs the process may use, as ranges.
+func TestCPUList(t *testing.T) {
+	var set unix.CPUSet
+	for _, cpu := range []int{0, 1, 2, 3, 6, 9, 10} {
+		set.Set(cpu)
+	}
+	if got := cpuList(set); got != "0-3,6,9-10" {
+		t.Errorf("cpuList = %q, want 0-3,6,9-10", got)
+	}
+	var allowed unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &allowed); err != nil {
+		t.Fatal(err)
+	}
+	o := Options{Workloads: []string{WorkloadQperf}, QperfCPU: new(-1)}
+	if err := o.Normalize(); err == nil || !strings.Contains(err.Error(), "give one of "+cpuList(allowed)) {
+		t.Errorf("Normalize(--qperf-cpu -1) = %v: want the allowed CPUs (%s) named", err, cpuList(allowed))
 	}
 }
