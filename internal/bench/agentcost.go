@@ -152,9 +152,19 @@ func processRSS() (uint64, error) {
 	return 0, errors.Join(sc.Err(), errors.New("no VmRSS in /proc/self/status"))
 }
 
-// agentSnapshot reads the counters (nil agent: nothing).
+// agentSnapshot reads the counters (nil agent: nothing) and then the
+// process's CPU time: a window that starts here does not count its own reads
+// (maps, program statistics: milliseconds, as much as an idle agent's whole
+// second), nor does one that ends in agentDelta, which reads the CPU time first.
 func (r *runner) agentSnapshot(a Agent) (agentSnap, error) {
-	snap := agentSnap{at: time.Now(), cpu: processCPU()}
+	snap, err := r.readAgent(a)
+	snap.cpu, snap.at = processCPU(), time.Now()
+	return snap, err
+}
+
+// readAgent reads the agent's counters and its programs' statistics.
+func (r *runner) readAgent(a Agent) (agentSnap, error) {
+	var snap agentSnap
 	if a == nil {
 		return snap, nil
 	}
@@ -176,10 +186,12 @@ func (r *runner) agentDelta(a Agent, before agentSnap) (*AgentDelta, error) {
 	if a == nil {
 		return nil, nil
 	}
-	after, err := r.agentSnapshot(a)
+	cpu, at := processCPU(), time.Now()
+	after, err := r.readAgent(a)
 	if err != nil {
 		return nil, err
 	}
+	after.cpu, after.at = cpu, at
 	d := deltaOf(after.stats.Sub(before.stats))
 	d.WallSeconds = after.at.Sub(before.at).Seconds()
 	d.ProcessCPUSeconds = max(after.cpu-before.cpu, 0)
