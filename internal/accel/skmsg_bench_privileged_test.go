@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"runtime"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -19,7 +20,10 @@ import (
 // redirected message (the kernel's run-time statistics), for a loopback
 // ping-pong on one paired connection, by message size and for HTTP/1.1
 // exchanges, with and without observation; on one connection, and going
-// round 256 (each message finds its state cold, as in a proxy). Reported as
+// round 256 (each message finds its state cold, as in a proxy); with both
+// ends on one CPU, and with the server's end on another (cpus=2: each
+// message finds the lines its peer's last message wrote in the other CPU's
+// cache, as between an application and its sidecar). Reported as
 // bpf-ns/msg; ns/op is the round trip.
 //
 //	go test -run '^$' -bench SkmsgPerMessage -benchtime 100000x ./internal/accel
@@ -54,13 +58,16 @@ func benchSkmsgSizes(b *testing.B, a *Agent) {
 			// finds its sockets' state as cold as a proxy with many
 			// connections does (one connection keeps it in the CPU's caches).
 			for _, conns := range []int{1, 256} {
-				b.Run(fmt.Sprintf("conns=%d", conns), func(b *testing.B) { benchSkmsgExchange(b, a, conns, ex.req, ex.resp) })
+				b.Run(fmt.Sprintf("conns=%d", conns), func(b *testing.B) { benchSkmsgExchange(b, a, conns, ex.req, ex.resp, false) })
+			}
+			if runtime.NumCPU() > 1 {
+				b.Run("conns=1/cpus=2", func(b *testing.B) { benchSkmsgExchange(b, a, 1, ex.req, ex.resp, true) })
 			}
 		})
 	}
 }
 
-func benchSkmsgExchange(b *testing.B, a *Agent, conns int, req, resp []byte) {
+func benchSkmsgExchange(b *testing.B, a *Agent, conns int, req, resp []byte, twoCPUs bool) {
 	ln := mustListen(b, "127.0.0.1:0")
 	defer ln.Close()
 	type pair struct{ c, s net.Conn }
@@ -84,17 +91,79 @@ func benchSkmsgExchange(b *testing.B, a *Agent, conns int, req, resp []byte) {
 		}
 	}
 	before, _ := a.objs.MwSkmsg.Stats()
-	b.ResetTimer()
-	for i := range b.N {
-		p := pairs[i%conns]
-		echo(p.c, p.s, req)
-		echo(p.s, p.c, resp)
+	if !twoCPUs {
+		b.ResetTimer()
+		for i := range b.N {
+			p := pairs[i%conns]
+			echo(p.c, p.s, req)
+			echo(p.s, p.c, resp)
+		}
+		b.StopTimer()
+	} else {
+		// The server's end answers from CPU 1, the client's end asks from CPU 0.
+		served := make(chan error, 1)
+		go func() {
+			err := onCPU(1, func() error {
+				sbuf := make([]byte, len(req))
+				for i := range b.N {
+					p := pairs[i%conns]
+					if _, err := io.ReadFull(p.s, sbuf); err != nil {
+						return err
+					}
+					if _, err := p.s.Write(resp); err != nil {
+						return err
+					}
+				}
+				return nil
+			})
+			if err != nil {
+				for _, p := range pairs {
+					p.s.Close() // the client's read ends instead of waiting for an answer
+				}
+			}
+			served <- err
+		}()
+		err := onCPU(0, func() error {
+			b.ResetTimer()
+			for i := range b.N {
+				p := pairs[i%conns]
+				if _, err := p.c.Write(req); err != nil {
+					return err
+				}
+				if _, err := io.ReadFull(p.c, buf[:len(resp)]); err != nil {
+					return err
+				}
+			}
+			b.StopTimer()
+			return nil
+		})
+		if serr := <-served; err == nil {
+			err = serr
+		}
+		if err != nil {
+			b.Fatal(err)
+		}
 	}
-	b.StopTimer()
 	after, _ := a.objs.MwSkmsg.Stats()
 	if runs := after.RunCount - before.RunCount; runs > 0 {
 		b.ReportMetric(float64((after.Runtime-before.Runtime).Nanoseconds())/float64(runs), "bpf-ns/msg")
 	}
+}
+
+// onCPU runs f on a thread of its own bound to cpu.
+func onCPU(cpu int, f func() error) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var was, on unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &was); err != nil {
+		return err
+	}
+	on.Set(cpu)
+	if err := unix.SchedSetaffinity(0, &on); err != nil {
+		return err
+	}
+	defer unix.SchedSetaffinity(0, &was)
+	return f()
 }
 
 // BenchmarkPrivilegedSegmentHooks: what the agent's cgroup_skb programs
