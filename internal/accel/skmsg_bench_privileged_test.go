@@ -21,9 +21,9 @@ import (
 // ping-pong on one paired connection, by message size and for HTTP/1.1
 // exchanges, with and without observation; on one connection, and going
 // round 256 (each message finds its state cold, as in a proxy); with both
-// ends on one CPU, and with the server's end on another (cpus=2: each
-// message finds the lines its peer's last message wrote in the other CPU's
-// cache, as between an application and its sidecar). Reported as
+// ends on one CPU, and with the server's end on another (cpus=2: each CPU
+// sleeps between its messages and finds the program's memory cold, as
+// between an application and its sidecar). Reported as
 // bpf-ns/msg; ns/op is the round trip.
 //
 //	go test -run '^$' -bench SkmsgPerMessage -benchtime 100000x ./internal/accel
@@ -137,6 +137,11 @@ func benchSkmsgExchange(b *testing.B, a *Agent, conns int, req, resp []byte, two
 			b.StopTimer()
 			return nil
 		})
+		if err != nil {
+			for _, p := range pairs {
+				p.c.Close() // the server's read ends instead of waiting for a question
+			}
+		}
 		if serr := <-served; err == nil {
 			err = serr
 		}
@@ -150,7 +155,8 @@ func benchSkmsgExchange(b *testing.B, a *Agent, conns int, req, resp []byte, two
 	}
 }
 
-// onCPU runs f on a thread of its own bound to cpu.
+// onCPU runs f with the calling goroutine locked to its thread and the
+// thread bound to cpu, and gives the thread back its CPUs after.
 func onCPU(cpu int, f func() error) error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
